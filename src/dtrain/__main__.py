@@ -1,0 +1,3 @@
+from dtrain.cli import entry
+
+entry()

@@ -1,0 +1,103 @@
+"""The `dtrain` command: train | plan | doctor | export | runs.
+
+Exit codes: 0 success (also after a preemption checkpoint), 2 bad config or input (one clear
+line, no traceback), 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dtrain import config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dtrain import run
+    cfg = config.load(args.config, args.overrides)
+    run.train(cfg)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from dtrain import plan
+    cfg = config.load(args.config, args.overrides)
+    print(plan.report(cfg, nproc=args.nproc, nnodes=args.nnodes))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from dtrain import doctor
+    return doctor.main()
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dtrain import export
+    export.export(args.checkpoint, args.out, args.format)
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from dtrain import records
+    print(records.table(args.out_dir))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtrain", description="Train PyTorch models with DDP or "
+                                     "FSDP from a YAML config, under torchrun, SLURM or alone.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="YAML config file (defaults apply without one)")
+        p.add_argument("overrides", nargs="*", metavar="section.key=value")
+
+    p = sub.add_parser("train", help="train (under torchrun, srun or as a single process)")
+    with_config(p)
+    p.set_defaults(handler=_train)
+    p = sub.add_parser("plan", help="what a config will do, before launching it")
+    with_config(p)
+    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.set_defaults(handler=_plan)
+    p = sub.add_parser("doctor", help="check this machine's PyTorch, devices and backends")
+    p.set_defaults(handler=_doctor)
+    p = sub.add_parser("export", help="export a checkpoint's weights for use without dtrain")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=("state_dict", "torchscript", "exported"), default="state_dict")
+    p.set_defaults(handler=_export)
+    p = sub.add_parser("runs", help="list past runs")
+    p.add_argument("--out-dir", default="runs")
+    p.set_defaults(handler=_runs)
+    return parser
+
+
+def _print_error(message: str) -> None:
+    # Under torchrun every rank sees the same config error: one copy of the line is enough.
+    if os.environ.get("RANK", "0") == "0" or os.environ.get("DTRAIN_ALL_RANKS_ERRORS"):
+        print(f"dtrain: {message}", file=sys.stderr, flush=True)
+
+
+@record
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    from dtrain.checkpoint import CheckpointError
+    from dtrain.errors import TrainingStopped, UserError
+    try:
+        return handler(args)
+    except UserError as e:
+        _print_error(str(e))
+        return e.exit_code
+    except (TrainingStopped, CheckpointError) as e:
+        _print_error(str(e))
+        return e.exit_code
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The run configuration: YAML plus dotted overrides into nested dataclasses, checked strictly.
+
+Every problem is a `UserError` naming the key, raised before any process group exists and
+before anything is written, so a bad config costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import yaml
+
+from dtrain.errors import UserError
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _opt(default: Any, *, choices: Optional[tuple] = None, check: Optional[Check] = None,
+         doc: str = "") -> Any:
+    """A config field with its allowed values or a range check, used by `validate`."""
+    meta = {"choices": choices, "check": check, "doc": doc}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+POSITIVE: Check = (lambda v: v > 0, "must be > 0")
+NON_NEGATIVE: Check = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_ONE: Check = (lambda v: v >= 1, "must be >= 1")
+FRACTION: Check = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+
+
+@dataclass
+class RunConfig:
+    name: Optional[str] = _opt(None, doc="run directory name; default: the SLURM job id, else 'default'")
+    out_dir: str = _opt("runs", doc="parent of all run directories")
+    seed: int = _opt(0, check=NON_NEGATIVE)
+    private: bool = _opt(True, doc="run directories 0700 and files 0600")
+
+
+@dataclass
+class DistConfig:
+    backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))
+    timeout_s: float = _opt(600.0, check=POSITIVE, doc="collective timeout while training")
+    init_timeout_s: float = _opt(300.0, check=POSITIVE, doc="timeout for the start-up rendezvous")
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = _opt(25.0, check=POSITIVE)
+    find_unused_parameters: bool = _opt(False)
+    static_graph: bool = _opt(False)
+    broadcast_buffers: bool = _opt(True)
+
+
+@dataclass
+class FSDPConfig:
+    wrap: Union[str, list] = _opt("auto", doc="'auto' or a list of module class names")
+    reshard_after_forward: bool = _opt(True)
+    hybrid_replicas: int = _opt(1, check=AT_LEAST_ONE, doc="HSDP replica groups; 1 = plain FSDP")
+    cpu_offload: bool = _opt(False)
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = _opt("ddp", choices=("ddp", "fsdp", "none"))
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _opt("simple_cnn", doc="simple_cnn | resnet_small | transformer | tv:NAME | module:function")
+    num_classes: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="default: from the dataset")
+    args: dict = _opt({}, doc="keyword arguments for the model builder")
+    activation_checkpointing: bool = _opt(False)
+    compile: bool = _opt(False)
+    channels_last: bool = _opt(False)
+
+
+@dataclass
+class SyntheticConfig:
+    train_size: int = _opt(20000, check=AT_LEAST_ONE)
+    val_size: int = _opt(2000, check=AT_LEAST_ONE)
+
+
+@dataclass
+class DataConfig:
+    name: str = _opt("synthetic", doc="synthetic | cifar10 | mnist | fashion_mnist | imagefolder | module:function")
+    root: str = _opt("data")
+    download: bool = _opt(False)
+    batch_size: int = _opt(128, check=AT_LEAST_ONE, doc="per rank")
+    eval_batch_size: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="default: batch_size")
+    num_workers: int = _opt(0, check=NON_NEGATIVE)
+    persistent_workers: bool = _opt(True)
+    augment: bool = _opt(True)
+    drop_last: bool = _opt(True)
+    image_size: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="imagefolder resize; default 224")
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: str = _opt("sgd", choices=("sgd", "adam", "adamw"))
+    lr: float = _opt(0.1, check=POSITIVE)
+    weight_decay: float = _opt(5e-4, check=NON_NEGATIVE)
+    momentum: float = _opt(0.9, check=FRACTION)
+    nesterov: bool = _opt(False)
+    betas: list = _opt([0.9, 0.999])
+    eps: float = _opt(1e-8, check=POSITIVE)
+
+
+@dataclass
+class SchedConfig:
+    name: str = _opt("cosine", choices=("cosine", "step", "plateau", "none"))
+    warmup_steps: int = _opt(0, check=NON_NEGATIVE)
+    min_lr: float = _opt(0.0, check=NON_NEGATIVE, doc="cosine floor")
+    step_size: int = _opt(1000, check=AT_LEAST_ONE, doc="step: decay every this many steps")
+    gamma: float = _opt(0.1, check=POSITIVE, doc="step/plateau: decay factor")
+    patience: int = _opt(2, check=NON_NEGATIVE, doc="plateau: evals without improvement")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = _opt(10, check=AT_LEAST_ONE)
+    max_steps: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="optimizer steps; ends first wins")
+    precision: str = _opt("fp32", choices=("fp32", "bf16", "fp16"))
+    grad_accum: int = _opt(1, check=AT_LEAST_ONE)
+    clip_grad_norm: Optional[float] = _opt(None, check=POSITIVE)
+    log_every: int = _opt(50, check=AT_LEAST_ONE)
+    eval_every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = only at the end")
+    eval_every_steps: Optional[int] = _opt(None, check=AT_LEAST_ONE)
+    nan_policy: str = _opt("stop", choices=("stop", "skip"))
+    max_consecutive_skips: int = _opt(10, check=NON_NEGATIVE)
+    detect_anomaly: bool = _opt(False)
+    cudnn_benchmark: bool = _opt(False)
+    deterministic: bool = _opt(False)
+    overfit_batches: int = _opt(0, check=NON_NEGATIVE, doc="K > 0: train on the same K batches")
+
+
+@dataclass
+class CkptConfig:
+    every_steps: Optional[int] = _opt(None, check=AT_LEAST_ONE)
+    every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = never at epoch ends")
+    keep_last: int = _opt(3, check=AT_LEAST_ONE)
+    keep_best: int = _opt(1, check=NON_NEGATIVE)
+    monitor: str = _opt("val_acc")
+    monitor_mode: str = _opt("max", choices=("max", "min"))
+    resume: str = _opt("auto", doc="auto | none | PATH")
+    format: str = _opt("auto", choices=("auto", "full", "sharded"))
+    async_: bool = _opt(False)
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = _opt(False)
+    wait: int = _opt(1, check=NON_NEGATIVE)
+    warmup: int = _opt(1, check=NON_NEGATIVE)
+    active: int = _opt(3, check=AT_LEAST_ONE)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = _opt(True)
+    every_s: float = _opt(30.0, check=POSITIVE, doc="non-TTY progress lines at most this often")
+    all_ranks: bool = _opt(False)
+    progress: str = _opt("auto", choices=("auto", "bar", "lines"))
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+@dataclass
+class SlurmConfig:
+    requeue: bool = _opt(True)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.out_dir, self.run.name or "default")
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML keys and dataclass fields: a field named `async_` is the YAML key `async`.
+
+def _key(f: dataclasses.Field) -> str:
+    return f.name.rstrip("_")
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {_key(f): f for f in dataclasses.fields(cls)}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {_key(f): hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, e.g. 'optim.lr'."""
+    keys = []
+    for key, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, prefix + key + "."))
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def _unknown_key(dotted: str) -> UserError:
+    close = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under a right section: compare the last part only
+        leaf = dotted.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return UserError(f"config error: unknown key '{dotted}'{hint}")
+
+
+def _coerce(value: Any, tp: Any, dotted: str) -> Any:
+    """Check `value` against the annotation `tp`; allow the conversions YAML users expect."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, dotted)
+            except UserError as e:
+                errors.append(e)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise UserError(f"config error: {dotted}: expected {names}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    raise UserError(f"config error: {dotted}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise UserError(f"config error: {prefix.rstrip('.') or 'config'}: expected a mapping, "
+                        f"got {data!r}")
+    fields = _fields(cls)
+    types = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = prefix + str(key)
+        if key not in fields:
+            raise _unknown_key(dotted)
+        tp = types[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[fields[key].name] = _build(tp, value if value is not None else {}, dotted + ".")
+        else:
+            kwargs[fields[key].name] = _coerce(value, tp, dotted)
+    obj = cls(**kwargs)
+    _validate(obj, prefix)
+    return obj
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        dotted = prefix + _key(f)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"config error: {dotted}: '{value}' is not one of "
+                            f"{', '.join(map(str, choices))}{hint}")
+        check = f.metadata.get("check")
+        if check and value is not None and not check[0](value):
+            raise UserError(f"config error: {dotted}: {check[1]}, got {value!r}")
+
+
+def _cross_checks(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in cfg.optim.betas):
+        raise UserError(f"config error: optim.betas: expected two numbers, got {cfg.optim.betas!r}")
+    wrap = cfg.parallel.fsdp.wrap
+    if isinstance(wrap, str) and wrap != "auto":
+        raise UserError(f"config error: parallel.fsdp.wrap: expected 'auto' or a list of class "
+                        f"names, got {wrap!r}")
+    if cfg.ckpt.resume not in ("auto", "none") and not cfg.ckpt.resume.strip():
+        raise UserError("config error: ckpt.resume: expected auto, none or a checkpoint path")
+    name = cfg.run.name
+    if name is not None and (not name or name in (".", "..") or "/" in name):
+        raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config error: config file '{path}' not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.constructor.ConstructorError as e:
+        mark = e.problem_mark
+        raise UserError(f"config error: {path}:{mark.line + 1}:{mark.column + 1}: "
+                        f"{e.problem} (only plain YAML is allowed)") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise UserError(f"config error: {where}: malformed YAML: {e.problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"config error: cannot read '{path}': {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config error: {path}: expected a mapping of sections at the top")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'optim.lr=0.1' -> ('optim.lr', 0.1); the value is read as a YAML scalar or list."""
+    if "=" not in text:
+        raise UserError(f"config error: override '{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise UserError(f"config error: override '{text}' has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"config error: override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Read `path` (if given), apply `section.key=value` overrides, and check everything."""
+    data = _read_yaml(path) if path else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    cfg = _build(Config, data, "")
+    _cross_checks(cfg)
+    return cfg
+
+
+def to_dict(obj: Any) -> Any:
+    """The config as plain data, with YAML key names (for config.yaml and checkpoints)."""
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a config from `to_dict` output (e.g. a checkpoint's), with the same checks."""
+    cfg = _build(Config, data, "")
+    _cross_checks(cfg)
+    return cfg
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 0.1}} -> {'optim.lr': 0.1}"""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value and key != "args":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

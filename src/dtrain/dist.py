@@ -1,0 +1,147 @@
+"""The process group and the few collectives the loop needs; every helper is a no-op at world size 1.
+
+The loop never calls torch.distributed itself: it asks `is_main()`, `all_reduce_sum()` and so on,
+so the same code runs as one process or many.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as torch_dist
+
+from dtrain.config import DistConfig
+from dtrain.env import Env
+from dtrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What `init` settled: the device every tensor goes to and the backend in use."""
+    env: Env
+    device: torch.device
+    backend: Optional[str]  # None for a single process
+
+
+def pick_device(env: Env) -> torch.device:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise UserError(f"device error: {env.local_world_size} ranks per node requested, found "
+                            f"{count} visible GPU(s); use --nproc_per_node={count} or fewer")
+        return torch.device("cuda", env.local_rank)
+    if not env.distributed and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise UserError("config error: dist.backend: nccl needs CUDA devices; use gloo or auto")
+    return requested
+
+
+def init(env: Env, cfg: DistConfig) -> Runtime:
+    """Set the device and, for a distributed launch, create the default process group."""
+    device = pick_device(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not env.distributed:
+        return Runtime(env=env, device=device, backend=None)
+    backend = pick_backend(cfg.backend, device)
+    # env:// reads these; srun does not set them, torchrun does (setdefault keeps torchrun's).
+    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port)),
+                        ("RANK", str(env.rank)), ("WORLD_SIZE", str(env.world_size)),
+                        ("LOCAL_RANK", str(env.local_rank))):
+        os.environ.setdefault(name, value)
+    torch_dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    # The rendezvous may be slow (nodes starting at different times); the first collective
+    # proves every rank arrived, after which the training timeout applies.
+    barrier()
+    _set_timeout(cfg.timeout_s)
+    return Runtime(env=env, device=device, backend=backend)
+
+
+def _set_timeout(seconds: float) -> None:
+    timeout = datetime.timedelta(seconds=seconds)
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(timeout)
+    except (ImportError, RuntimeError, AttributeError):
+        pass  # older torch: the init timeout stays in force
+
+
+def shutdown() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def rank() -> int:
+    return torch_dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return torch_dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        torch_dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place and returned."""
+    if is_distributed():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(tensor).div_(world_size())
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any rank: the way ranks agree on a decision."""
+    return bool(all_reduce_max(torch.tensor([float(flag)], device=device)).item())
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out

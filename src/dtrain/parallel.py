@@ -1,0 +1,137 @@
+"""Wrap a plain model for the run: DDP, FSDP2 (`fully_shard`, per block then the root) or nothing.
+
+Per-block features (activation checkpointing, torch.compile) are applied to the same blocks that
+FSDP shards, and without renaming any parameter, so checkpoints load across modes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dtrain.config import Config
+from dtrain.dist import Runtime
+from dtrain.errors import UserError
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_blocks(model: nn.Module, class_names: Optional[list[str]] = None) -> list[nn.Module]:
+    """The model's repeated blocks: modules of the named classes, or with `None` ('auto') each
+    child with parameters of the model's sequential stages (Sequential / ModuleList) that is itself
+    made of layers. Blocks are never nested in each other."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+
+    def mark(module: nn.Module) -> None:
+        blocks.append(module)
+        inside.update(id(m) for m in module.modules())
+
+    if class_names is not None:
+        wanted = set(class_names)
+        for module in model.modules():
+            if type(module).__name__ in wanted and id(module) not in inside and module is not model:
+                mark(module)
+        found = {type(b).__name__ for b in blocks}
+        missing = wanted - found
+        if missing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise UserError(f"config error: parallel.fsdp.wrap: no module of class "
+                            f"{', '.join(sorted(missing))} in the model; it has {', '.join(present)}")
+        return blocks
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = list(module.children())
+        composite = [c for c in children if any(True for _ in c.children())
+                     and any(True for _ in c.parameters())]
+        if len(composite) >= 2:
+            for child in composite:
+                mark(child)
+    return blocks
+
+
+def _checkpoint_activations(block: nn.Module) -> None:
+    """Recompute the block's activations in backward instead of storing them. The block keeps its
+    parameter names: its forward is replaced on the instance, not wrapped in a new module."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed  # type: ignore[method-assign]
+
+
+def wrap(model: nn.Module, cfg: Config, runtime: Runtime) -> nn.Module:
+    """Move the model to the device and apply the per-block features and the parallel mode."""
+    model.to(runtime.device)
+    if cfg.model.channels_last:
+        model.to(memory_format=torch.channels_last)
+    mode = cfg.parallel.mode
+    wrap_classes = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
+    needs_blocks = mode == "fsdp" or cfg.model.activation_checkpointing or cfg.model.compile
+    blocks = find_blocks(model, wrap_classes) if needs_blocks else []
+    if needs_blocks and not blocks:
+        blocks = [model]
+    if cfg.model.activation_checkpointing:
+        for block in blocks:
+            if block is not model:
+                _checkpoint_activations(block)
+    if cfg.model.compile:
+        for block in blocks:
+            block.compile()
+    if mode == "none" or not runtime.env.distributed:
+        return model
+    if mode == "ddp":
+        ddp = cfg.parallel.ddp
+        return DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+                   bucket_cap_mb=ddp.bucket_cap_mb, find_unused_parameters=ddp.find_unused_parameters,
+                   static_graph=ddp.static_graph, broadcast_buffers=ddp.broadcast_buffers)
+    return _fully_shard(model, blocks, cfg, runtime)
+
+
+def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime: Runtime) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    fsdp = cfg.parallel.fsdp
+    world = torch_dist.get_world_size()
+    replicas = fsdp.hybrid_replicas
+    if world % replicas:
+        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
+                        f"the world size {world}")
+    device_type = runtime.device.type
+    if replicas > 1:
+        mesh = init_device_mesh(device_type, (replicas, world // replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if fsdp.cpu_offload and device_type != "cuda":
+        raise UserError("config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "
+                        "on the CPU the state is already in host memory")
+    param_dtype = PRECISION_DTYPES[cfg.train.precision]
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        # fp32 master weights; compute in the run's precision; gradients reduced in fp32.
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy() if fsdp.cpu_offload else None,
+    )
+    if kwargs["offload_policy"] is None:
+        del kwargs["offload_policy"]
+    for block in blocks:
+        if block is not model:
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
+    return model.module if isinstance(model, DDP) else model

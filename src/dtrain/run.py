@@ -1,0 +1,204 @@
+"""`dtrain train`: put the pieces together in the order of DESIGN.md's flow, and take them apart.
+
+config -> env -> dist -> run directory -> data -> model -> parallel -> optimizer -> checkpoint
+resume -> Trainer.fit() -> records -> dist.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import fields
+from typing import Any, Optional
+
+import numpy
+import torch
+from torch import nn
+
+from dtrain import checkpoint, data, dist, env as env_mod, models, optim, parallel, signals
+from dtrain.config import Config, dump
+from dtrain.errors import UserError
+from dtrain.observe import RunLog, log, setup_logging
+from dtrain.trainer import Trainer, TrainState
+
+
+def resolve_run_name(cfg: Config, env: env_mod.Env) -> None:
+    """Unnamed runs under SLURM take the job id, so that a requeued job finds its run again."""
+    if cfg.run.name is None:
+        cfg.run.name = f"job_{env.slurm_job_id}" if env.slurm_job_id else "default"
+
+
+def check_layout(cfg: Config, env: env_mod.Env) -> None:
+    """Combinations of config and launch that cannot work, caught before any process group."""
+    if cfg.parallel.mode == "none" and env.world_size > 1:
+        raise UserError(f"config error: parallel.mode: 'none' with {env.world_size} ranks would "
+                        f"train {env.world_size} unrelated models; use ddp or fsdp")
+
+
+def prepare_run_dir(cfg: Config) -> str:
+    run_dir = cfg.run_dir
+    if cfg.run.private:
+        os.umask(0o077)  # every directory 0700 and file 0600 that this process creates
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output error: cannot write the run directory '{run_dir}' "
+                        f"({e.strerror}); set run.out_dir to a writable place") from None
+    return run_dir
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state, and what the same
+    state would take unsharded (DDP holds all of it on every rank)."""
+    def local_and_full(t: torch.Tensor) -> tuple[int, int]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size(), t.numel() * t.element_size()
+
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
+    for p in model.parameters():
+        local, full = local_and_full(p)
+        totals["params"] += local
+        totals["unsharded"] += full
+        if p.grad is not None:
+            local, full = local_and_full(p.grad)
+            totals["grads"] += local
+            totals["unsharded"] += full
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                local, full = local_and_full(value)
+                totals["optimizer"] += local
+                totals["unsharded"] += full
+    totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    return totals
+
+
+def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[Any]:
+    if cfg.train.precision != "fp16":
+        return None
+    if is_fsdp:
+        # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def train(cfg: Config) -> str:
+    """Run training; returns 'finished' or 'preempted'. Raises UserError for bad input."""
+    env = env_mod.detect()
+    resolve_run_name(cfg, env)
+    check_layout(cfg, env)
+    runtime = dist.init(env, cfg.dist)
+    signals.install()
+    try:
+        return _train(cfg, runtime)
+    finally:
+        signals.uninstall()
+        dist.shutdown()
+
+
+def _train(cfg: Config, runtime: dist.Runtime) -> str:
+    rank, world = dist.rank(), dist.world_size()
+    run_dir = prepare_run_dir(cfg)
+    setup_logging(run_dir, rank, cfg.log.all_ranks)
+    if dist.is_main():
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(dump(cfg))
+    _set_torch_flags(cfg)
+    seed_everything(cfg.run.seed)
+
+    overfit = cfg.train.overfit_batches
+    data_cfg = cfg.data
+    if overfit and data_cfg.augment:
+        data_cfg = type(data_cfg)(**{f.name: getattr(data_cfg, f.name) for f in fields(data_cfg)})
+        data_cfg.augment = False  # overfitting a fixed set of batches: the same images each time
+    datasets = data.build(data_cfg, cfg.run.seed)
+    loaders = data.loaders(datasets, data_cfg, cfg.run.seed, rank, world, runtime.device, overfit)
+    steps_per_epoch = len(loaders[0]) // cfg.train.grad_accum
+    if steps_per_epoch < 1:
+        raise UserError(f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
+                        f"train.grad_accum={cfg.train.grad_accum}; lower one of them")
+
+    model = models.build(cfg.model, datasets, cfg.run.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    is_fsdp = cfg.parallel.mode == "fsdp" and runtime.env.distributed
+    wrapped = parallel.wrap(model, cfg, runtime)
+    optimizer = optim.build_optimizer(wrapped, cfg.optim)
+    total_steps = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    schedule = optim.LRSchedule(optimizer, cfg.sched, cfg.optim.lr, total_steps, cfg.ckpt.monitor_mode)
+    scaler = make_scaler(cfg, runtime.device, is_fsdp)
+    torch.manual_seed(cfg.run.seed + 1 + rank)  # per-rank randomness from here on (dropout)
+
+    def extra_state() -> dict[str, Any]:
+        return {"schedule": schedule.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None}
+
+    def load_extra_state(extra: dict[str, Any]) -> None:
+        schedule.load_state_dict(extra["schedule"])
+        if scaler is not None and extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
+
+    checkpoints = checkpoint.Checkpointer(cfg, run_dir, wrapped, optimizer, extra_state,
+                                          load_extra_state, runtime.device, is_fsdp)
+    state = TrainState()
+    resumed = checkpoints.resume()
+    if resumed:
+        state = TrainState(**{f.name: resumed[f.name] for f in fields(TrainState)})
+    run_log = RunLog(cfg, run_dir, dist.is_main(), state.step)
+    _banner(cfg, runtime, num_params, steps_per_epoch, run_dir, resumed)
+    trainer = Trainer(cfg, wrapped, optimizer, schedule, scaler, loaders, runtime.device, is_fsdp,
+                      run_log, checkpoints, state)
+    trainer.on_first_step = lambda: _log_state_bytes(wrapped, optimizer, is_fsdp)
+    try:
+        outcome = trainer.fit()
+        run_log.hparams({"val_loss": state.last_eval.get("val_loss"),
+                         "val_acc": state.last_eval.get("val_acc")})
+    finally:
+        run_log.close()
+    log.info(f"{outcome} at step {state.step}: {run_dir}")
+    return outcome
+
+
+def _set_torch_flags(cfg: Config) -> None:
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
+
+
+def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, is_fsdp: bool) -> dict:
+    sizes = state_bytes(model, optimizer)
+    mib = {k: v / 2**20 for k, v in sizes.items()}
+    log.info(f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
+             f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
+             f"{mib['unsharded']:.2f} MiB")
+    return {"state_bytes": sizes["total"], "state_bytes_unsharded": sizes["unsharded"]}
+
+
+def _banner(cfg: Config, runtime: dist.Runtime, num_params: int, steps_per_epoch: int,
+            run_dir: str, resumed: Optional[dict]) -> None:
+    env = runtime.env
+    world = dist.world_size()
+    effective = cfg.data.batch_size * world * cfg.train.grad_accum
+    source = f"resumed from {resumed['path']} at step {resumed['step']}" if resumed else "fresh start"
+    if resumed and resumed["world_size"] != world:
+        source += f" (world size {resumed['world_size']} -> {world})"
+    log.info(f"dtrain | {env.describe()} | device {runtime.device} | backend "
+             f"{runtime.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}")
+    log.info(f"model {cfg.model.name}: {num_params / 1e6:.3f} M parameters | data {cfg.data.name} | "
+             f"effective batch {effective} = {cfg.data.batch_size} per rank x {world} rank(s) x "
+             f"{cfg.train.grad_accum} accumulation | {steps_per_epoch} steps per epoch")
+    log.info(f"run directory {run_dir} | {source}")

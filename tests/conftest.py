@@ -1,0 +1,94 @@
+"""Shared helpers: real launches of launch/train.py, as a single process or under torchrun (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "launch" / "train.py")
+TESTS = str(REPO / "tests")
+
+# A small, fast job: tiny CNN, small synthetic set, log every step.
+TINY = [
+    "model.name=simple_cnn", "model.args={width: 8}",
+    "data.synthetic.train_size=512", "data.synthetic.val_size=100", "data.batch_size=16",
+    "train.epochs=1", "train.log_every=1", "log.tensorboard=false",
+    "optim.lr=0.05", "sched.name=none",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Tests' own user models and datasets are importable by module path.
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, str(REPO / "src"), env.get("PYTHONPATH", "")])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        env.pop(name, None)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records() if "loss" in r}
+
+    def evals(self) -> list[dict]:
+        return [r for r in self.records() if "val_acc" in r]
+
+
+def torchrun_cmd(nproc: int, nnodes: int = 1, extra: Optional[list] = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *(extra or [])]
+
+
+def launch(run_dir: Path, overrides: list[str], nproc: int = 0, config: Optional[str] = None,
+           timeout: float = 300, env: Optional[dict] = None, torchrun_args: Optional[list] = None,
+           tiny: bool = True) -> Result:
+    """Run launch/train.py: nproc=0 as a plain process, else under torchrun with nproc ranks."""
+    args = ([f"--config={config}"] if config else []) + (TINY if tiny else []) + [
+        f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
+    prefix = torchrun_cmd(nproc, extra=torchrun_args) if nproc else [sys.executable]
+    proc = subprocess.run([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env), text=True,
+                          capture_output=True, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def dtrain(*args: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=REPO, env=child_env(env),
+                          text=True, capture_output=True, timeout=timeout)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "runs" / "run"
