@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -87,6 +88,49 @@ def launch(run_dir: Path, overrides: list[str], nproc: int = 0, config: Optional
 def dtrain(*args: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=REPO, env=child_env(env),
                           text=True, capture_output=True, timeout=timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, so a
+    process-group kill does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    """Send `sig` to `pid` and every process below it, at once (as when a node dies)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Until metrics.jsonl at `path` holds a record of `step` or later, while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        if path.exists():
+            steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+                     if line.endswith("}")]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {path} after {timeout} s")
 
 
 @pytest.fixture

@@ -195,8 +195,9 @@ class Checkpointer:
     def __init__(self, cfg: Config, run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  extra_state: Callable[[], dict[str, Any]],
                  load_extra_state: Callable[[dict[str, Any]], None],
-                 device: torch.device, is_fsdp: bool) -> None:
+                 device: torch.device, is_fsdp: bool, model_info: dict[str, int]) -> None:
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.model_info = model_info  # what rebuilding the model needs (dtrain export)
         self.extra_state, self.load_extra_state = extra_state, load_extra_state
         self.device = device
         self.dir = os.path.join(run_dir, "checkpoints")
@@ -221,7 +222,8 @@ class Checkpointer:
         """Save at the current step. With ckpt.async the write continues in the background."""
         self.wait()
         monitor = self.cfg.ckpt.monitor
-        value = state.last_eval.get(monitor) if state.last_eval.get("step") is not None else None
+        # Only a checkpoint of the evaluated weights carries the metric (and competes for best).
+        value = state.last_eval.get(monitor) if state.last_eval.get("step") == state.step else None
         name = checkpoint_name(state.step, state.epoch, monitor, value)
         tmp = os.path.join(self.dir, f".tmp-{name}")
         if dist.is_main():
@@ -237,6 +239,7 @@ class Checkpointer:
             "world_size": dist.world_size(),
             "rng": rngs,
             "config": to_dict(self.cfg),
+            "model_info": self.model_info,
             "metrics": dict(state.last_eval),
             "versions": {"dtrain": dtrain.__version__, "torch": str(torch.__version__)},
         }

@@ -6,8 +6,11 @@ so the same code runs as one process or many.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -15,8 +18,11 @@ import torch
 import torch.distributed as torch_dist
 
 from dtrain.config import DistConfig
-from dtrain.env import Env
+from dtrain.env import Env, device_index
 from dtrain.errors import UserError
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -29,11 +35,7 @@ class Runtime:
 
 def pick_device(env: Env) -> torch.device:
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if env.local_rank >= count:
-            raise UserError(f"device error: {env.local_world_size} ranks per node requested, found "
-                            f"{count} visible GPU(s); use --nproc_per_node={count} or fewer")
-        return torch.device("cuda", env.local_rank)
+        return torch.device("cuda", device_index(env, torch.cuda.device_count()))
     if not env.distributed and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
@@ -49,6 +51,8 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 def init(env: Env, cfg: DistConfig) -> Runtime:
     """Set the device and, for a distributed launch, create the default process group."""
+    if env.launcher == "torchrun":
+        _die_with_parent()
     device = pick_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -72,13 +76,28 @@ def init(env: Env, cfg: DistConfig) -> Runtime:
     return Runtime(env=env, device=device, backend=backend)
 
 
+def _die_with_parent() -> None:
+    """torchrun starts each worker in a session of its own, so a worker outlives an agent that is
+    killed outright and would go on writing checkpoints beside the run that replaces it. Ask the
+    kernel to end this worker with its agent (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the request took effect
+        os._exit(1)
+
+
 def _set_timeout(seconds: float) -> None:
     timeout = datetime.timedelta(seconds=seconds)
-    try:
+    if hasattr(torch_dist, "set_timeout"):
+        torch_dist.set_timeout(timeout)
+    else:  # torch < 2.8
         from torch.distributed.distributed_c10d import _set_pg_timeout
         _set_pg_timeout(timeout)
-    except (ImportError, RuntimeError, AttributeError):
-        pass  # older torch: the init timeout stays in force
 
 
 def shutdown() -> None:

@@ -109,7 +109,8 @@ class TransformerClassifier(nn.Module):
             raise UserError(f"config error: model.args.patch_size: {patch_size} does not divide "
                             f"the image size {image_size}")
         self.patch_embed = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
-        self.pos_embed = nn.Parameter(torch.randn(1, (image_size // patch_size) ** 2, dim) * 0.02)
+        # (tokens, dim), not (1, tokens, dim): FSDP shards dim 0, which must not be of size 1.
+        self.pos_embed = nn.Parameter(torch.randn((image_size // patch_size) ** 2, dim) * 0.02)
         self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout=dropout) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)

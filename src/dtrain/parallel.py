@@ -7,6 +7,7 @@ FSDP shards, and without renaming any parameter, so checkpoints load across mode
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -90,9 +91,12 @@ def wrap(model: nn.Module, cfg: Config, runtime: Runtime) -> nn.Module:
         return model
     if mode == "ddp":
         ddp = cfg.parallel.ddp
+        # torch 2.13 renamed broadcast_buffers to forward_sync_buffers.
+        sync_buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
+                        inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
         return DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
                    bucket_cap_mb=ddp.bucket_cap_mb, find_unused_parameters=ddp.find_unused_parameters,
-                   static_graph=ddp.static_graph, broadcast_buffers=ddp.broadcast_buffers)
+                   static_graph=ddp.static_graph, **{sync_buffers: ddp.broadcast_buffers})
     return _fully_shard(model, blocks, cfg, runtime)
 
 

@@ -1,0 +1,275 @@
+"""Checkpoints: kill at any moment and resume exactly; never load a half-written or corrupt one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TRAIN, TINY, child_env, kill_tree, launch, torchrun_cmd
+
+STEPS = 24
+SLOW = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
+        "data.synthetic.train_size=1024", f"train.max_steps={STEPS}", "ckpt.every_steps=6",
+        "ckpt.keep_last=10"]
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.exists() else []
+
+
+def latest(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def final_weights(run_dir: Path) -> dict:
+    from dtrain.export import load_model
+    model, _ = load_model(str(latest(run_dir)))
+    return model.state_dict()
+
+
+def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
+    args = [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
+    prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
+    return subprocess.Popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 180) -> None:
+    """SIGKILL torchrun and all its workers at once when `ready()` holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def saved_step(run_dir: Path) -> int:
+    path = run_dir / "checkpoints" / "latest"
+    return json.loads((latest(run_dir) / "COMPLETE").read_text())["step"] if path.exists() else 0
+
+
+def assert_identical(straight, resumed_dir: Path) -> None:
+    resumed_losses = {r["step"]: r["loss"] for r in
+                      (json.loads(l) for l in (resumed_dir / "metrics.jsonl").read_text().splitlines())
+                      if "loss" in r}
+    assert resumed_losses == straight.losses()  # bitwise: the same floats, every step
+    a, b = final_weights(straight.run_dir), final_weights(resumed_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,workers", [("ddp", 0), ("ddp", 2), ("fsdp", 0), ("fsdp", 2)])
+def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(tmp_path, mode, workers) -> None:
+    overrides = [*SLOW, f"parallel.mode={mode}", f"data.num_workers={workers}"]
+    straight = launch(tmp_path / "runs" / "straight", overrides, nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_dir = tmp_path / "runs" / "killed"
+    proc = start(run_dir, overrides, nproc=2)
+    kill_when(proc, lambda: saved_step(run_dir) >= 6)
+    killed_at = saved_step(run_dir)
+    assert killed_at < STEPS
+    resumed = launch(run_dir, overrides, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_line = [l for l in (run_dir / "log.txt").read_text().splitlines() if "resumed from" in l][0]
+    assert f"step_{killed_at:06d}" in resumed_line
+    assert_identical(straight, run_dir)
+
+
+@pytest.mark.slow
+def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path) -> None:
+    overrides = [*SLOW, "parallel.mode=ddp", "train.max_steps=12"]
+    straight = launch(tmp_path / "runs" / "straight", overrides, nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_dir = tmp_path / "runs" / "killed"
+    flag = tmp_path / "pause"
+    proc = start(run_dir, overrides, nproc=2, env={"PAUSE_SAVE_FILE": str(flag)})
+    # Once step 6 is saved, make the next save (step 12) hang inside, then kill it there.
+    kill_when(proc, lambda: saved_step(run_dir) == 6 and (flag.touch() or True)
+              and any(n.startswith(".tmp-step_000012") for n in os.listdir(run_dir / "checkpoints")))
+    flag.unlink()
+    assert saved_step(run_dir) == 6
+    resumed = launch(run_dir, overrides, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run_dir / "log.txt").read_text()
+    assert "removing incomplete checkpoint" in log and ".tmp-step_000012" in log
+    assert "resumed from" in log and "step_000006" in log
+    assert not any(n.startswith(".tmp") for n in os.listdir(run_dir / "checkpoints"))
+    assert_identical(straight, run_dir)
+
+
+# -- single-process checks of what is on disk ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished single-process run with checkpoints at steps 4, 8 and 12 (epoch end 16)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "runs" / "run"
+    result = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=4", "train.eval_every_steps=8",
+                              "ckpt.keep_last=5"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zero_bytes", "random_bytes", "no_marker"])
+def test_damaged_newest_checkpoint_falls_back_to_previous(finished, tmp_path, damage) -> None:
+    run_dir = copy_run(finished, tmp_path / "runs" / "run")
+    newest = latest(run_dir)
+    assert newest.name.startswith("step_000012")
+    target = newest / "checkpoint.pt"
+    if damage == "truncated":
+        target.write_bytes(target.read_bytes()[:1000])
+    elif damage == "zero_bytes":
+        target.write_bytes(b"")
+    elif damage == "random_bytes":
+        target.write_bytes(os.urandom(target.stat().st_size))
+    else:
+        (newest / "COMPLETE").unlink()
+    result = launch(run_dir, ["train.max_steps=16", "ckpt.every_steps=4", "train.eval_every_steps=8",
+                              "ckpt.keep_last=5"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run_dir / "log.txt").read_text()
+    if damage == "no_marker":
+        assert f"removing incomplete checkpoint {newest}" in log
+    else:
+        assert newest.name in log and "unusable" in log
+    assert "resumed from" in log and "step_000008" in log.split("resumed from")[1].splitlines()[0]
+    # it re-did steps 9..16 from step 8: the records after 8 are the new attempt's
+    steps = [r["step"] for r in result.records() if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 16
+
+
+def test_rotation_keeps_last_and_best(finished) -> None:
+    names = checkpoints(finished)
+    assert [n.split("-")[0] for n in names] == ["step_000004", "step_000008", "step_000012"]
+    assert any("val_acc_" in n for n in names if n.startswith("step_000008"))  # evaluated at step 8
+
+
+def test_rotation_deletes_beyond_keep_last_but_keeps_best(tmp_path) -> None:
+    run_dir = tmp_path / "runs" / "rot"
+    result = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=2", "train.eval_every_steps=4",
+                              "ckpt.keep_last=2", "ckpt.keep_best=1", "ckpt.monitor=val_loss",
+                              "ckpt.monitor_mode=min"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = {r["step"]: r["val_loss"] for r in result.evals()}
+    best_step = min((s for s in evals if s % 2 == 0), key=lambda s: evals[s])
+    kept = {int(n.split("-")[0][5:]) for n in checkpoints(run_dir)}
+    assert kept == {10, 12} | {best_step}
+
+
+def test_explicit_missing_or_corrupt_checkpoint_is_exit_2(finished, tmp_path) -> None:
+    result = launch(tmp_path / "runs" / "x", ["ckpt.resume=/nonexistent/step_1"])
+    assert result.returncode == 2
+    assert "ckpt.resume: /nonexistent/step_1 not found" in result.stderr
+    assert "Traceback" not in result.stderr
+    broken = copy_run(finished, tmp_path / "runs" / "broken")
+    newest = latest(broken)
+    (newest / "checkpoint.pt").write_bytes(b"garbage")
+    result = launch(tmp_path / "runs" / "y", [f"ckpt.resume={newest}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "checkpoint.pt has 7 bytes" in result.stderr
+
+
+class _RunsCode:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path) -> None:
+    pwned = tmp_path / "pwned"
+    folder = tmp_path / "evil" / "step_000001-epoch_00"
+    folder.mkdir(parents=True)
+    with open(folder / "checkpoint.pt", "wb") as f:
+        pickle.dump({"model": _RunsCode(str(pwned))}, f)
+    marker = {"step": 1, "epoch": 0, "format": "full", "world_size": 1,
+              "files": {"checkpoint.pt": (folder / "checkpoint.pt").stat().st_size}}
+    (folder / "COMPLETE").write_text(json.dumps(marker))
+    result = launch(tmp_path / "runs" / "victim", [f"ckpt.resume={folder}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "checkpoint error" in result.stderr and "Traceback" not in result.stderr
+    assert not pwned.exists()
+
+
+def test_async_save_writes_the_same_checkpoint_as_a_synchronous_one(finished, tmp_path) -> None:
+    run_dir = tmp_path / "runs" / "async"
+    result = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=4", "train.eval_every_steps=8",
+                              "ckpt.keep_last=5", "ckpt.async=true"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoints(run_dir) == checkpoints(finished)
+    for name in checkpoints(run_dir):
+        a = torch.load(run_dir / "checkpoints" / name / "checkpoint.pt", weights_only=True)
+        b = torch.load(finished / "checkpoints" / name / "checkpoint.pt", weights_only=True)
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key])
+        assert a["train_state"] == b["train_state"]
+
+
+# -- world-size changes of sharded checkpoints ---------------------------------------------------
+
+def served(folder: Path) -> list[int]:
+    return [int(line) for f in sorted(folder.glob("rank*.txt")) for line in f.read_text().split()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, before, after) -> None:
+    first, second = tmp_path / "served1", tmp_path / "served2"
+    first.mkdir(), second.mkdir()
+    # 512 samples, batch 16: each sample of epoch 0 must be served exactly once over both attempts.
+    common = ["data.name=user_code:served_synthetic", "parallel.mode=fsdp", "ckpt.format=sharded",
+              "data.batch_size=16", "ckpt.every_epochs=0"]
+    run_dir = tmp_path / "runs" / "resize"
+    a = launch(run_dir, [*common, "train.max_steps=8"], nproc=before, env={"SERVED_DIR": str(first)})
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert (latest(run_dir) / "dcp").is_dir()
+    steps_left = (512 - 8 * 16 * before) // (16 * after)
+    b = launch(run_dir, common, nproc=after, env={"SERVED_DIR": str(second)})
+    assert b.returncode == 0, b.stderr[-3000:]
+    log = (run_dir / "log.txt").read_text()
+    assert f"world size changed from {before} to {after}" in log
+    assert sorted(served(first) + served(second)) == list(range(512))
+    steps = [r["step"] for r in b.records() if "loss" in r]
+    assert steps[-1] == 8 + steps_left
+
+
+def test_export_round_trip(finished, tmp_path) -> None:
+    from conftest import dtrain
+    from dtrain.models import SimpleCNN
+    ckpt = latest(finished)
+    for fmt in ("state_dict", "torchscript", "exported"):
+        out = tmp_path / f"model.{fmt}"
+        result = dtrain("export", "--checkpoint", str(ckpt), "--out", str(out), "--format", fmt)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "outputs match the checkpoint" in result.stdout
+    weights = torch.load(tmp_path / "model.state_dict", weights_only=True)
+    saved = torch.load(ckpt / "checkpoint.pt", weights_only=True)["model"]
+    assert weights.keys() == saved.keys()
+    model = SimpleCNN(num_classes=10, in_channels=3, width=8)
+    model.load_state_dict(weights)  # plain PyTorch, no dtrain needed
+    scripted = torch.jit.load(str(tmp_path / "model.torchscript"))
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(scripted(x), model.eval()(x))
