@@ -72,13 +72,25 @@ def assert_identical(straight, resumed_dir: Path) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory) -> dict:
+    """Uninterrupted 2-rank runs, one per mode, with no loader workers. The killed runs below
+    must reproduce them exactly, also with 2 loader workers: the order and the augmentation of
+    the data do not depend on the number of workers."""
+    runs = {}
+    for mode in ("ddp", "fsdp"):
+        run_dir = tmp_path_factory.mktemp(mode) / "runs" / "straight"
+        runs[mode] = launch(run_dir, [*SLOW, f"parallel.mode={mode}", "data.num_workers=0"], nproc=2)
+        assert runs[mode].returncode == 0, runs[mode].stderr[-3000:]
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,workers", [("ddp", 0), ("ddp", 2), ("fsdp", 0), ("fsdp", 2)])
-def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(tmp_path, mode, workers) -> None:
+def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(straight_runs, tmp_path, mode,
+                                                                   workers) -> None:
     overrides = [*SLOW, f"parallel.mode={mode}", f"data.num_workers={workers}"]
-    straight = launch(tmp_path / "runs" / "straight", overrides, nproc=2)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
+    straight = straight_runs[mode]
     run_dir = tmp_path / "runs" / "killed"
     proc = start(run_dir, overrides, nproc=2)
     kill_when(proc, lambda: saved_step(run_dir) >= 6)
@@ -92,10 +104,9 @@ def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(tmp_path, mod
 
 
 @pytest.mark.slow
-def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path) -> None:
-    overrides = [*SLOW, "parallel.mode=ddp", "train.max_steps=12"]
-    straight = launch(tmp_path / "runs" / "straight", overrides, nproc=2)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+def test_kill_during_a_save_keeps_the_previous_checkpoint(straight_runs, tmp_path) -> None:
+    overrides = [*SLOW, "parallel.mode=ddp"]
+    straight = straight_runs["ddp"]
 
     run_dir = tmp_path / "runs" / "killed"
     flag = tmp_path / "pause"

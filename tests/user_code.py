@@ -67,4 +67,5 @@ def served_synthetic(cfg):
     val = ImageDataset(*synthetic.generate(cfg.synthetic.val_size, "val"), *norm)
     served = ServedLog(train)
     served.num_classes = len(synthetic.CLASSES)
+    served.sample_shape = (3, synthetic.IMAGE_SIZE, synthetic.IMAGE_SIZE)
     return served, val

@@ -131,6 +131,7 @@ class TrainConfig:
     max_steps: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="optimizer steps; ends first wins")
     precision: str = _opt("fp32", choices=("fp32", "bf16", "fp16"))
     grad_accum: int = _opt(1, check=AT_LEAST_ONE)
+    loss_scale_init: float = _opt(65536.0, check=POSITIVE, doc="fp16: the grad scaler's first scale")
     clip_grad_norm: Optional[float] = _opt(None, check=POSITIVE)
     log_every: int = _opt(50, check=AT_LEAST_ONE)
     eval_every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = only at the end")
@@ -175,7 +176,8 @@ class LogConfig:
 
 @dataclass
 class SlurmConfig:
-    requeue: bool = _opt(True)
+    requeue: bool = _opt(True, doc="after a stop signal's checkpoint, rank 0 requeues the "
+                                   "running SLURM job (scontrol requeue)")
 
 
 @dataclass
@@ -224,8 +226,19 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _all_names() -> list[str]:
+    """Every dotted key and every section, e.g. 'optim.lr', 'optim', 'parallel.fsdp'."""
+    names = set(all_keys())
+    for key in list(names):
+        parts = key.split(".")
+        names.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted(names)
+
+
 def _unknown_key(dotted: str) -> UserError:
-    close = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.5)
+    depth = dotted.count(".")
+    same_depth = [n for n in _all_names() if n.count(".") == depth]
+    close = difflib.get_close_matches(dotted, same_depth, n=1, cutoff=0.5)
     if not close:  # a misspelt leaf under a right section: compare the last part only
         leaf = dotted.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}

@@ -200,10 +200,11 @@ def _user_datasets(cfg: DataConfig) -> Datasets:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise UserError(f"data error: {cfg.name} must return (train_dataset, val_dataset)")
     train, val = result
-    image, _ = train[0]
+    # A dataset may declare its sample shape (C, H, W); otherwise the first sample tells.
+    shape = getattr(train, "sample_shape", None) or tuple(train[0][0].shape)
     num_classes = getattr(train, "num_classes", None) or len(getattr(train, "classes", ()))
     return Datasets(train=IndexOnly(train), val=val, num_classes=num_classes,
-                    in_channels=image.shape[0], image_size=image.shape[-1])
+                    in_channels=shape[0], image_size=shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------
