@@ -2,7 +2,10 @@
 
 It uses the same data and model code as dtrain's defaults but nothing of dtrain's loop: its own
 DistributedSampler, DataLoader, DDP wrapper, SGD and cross-entropy. Run it alone or under
-torchrun; it writes the per-step losses (mean over ranks), step times and final weights.
+torchrun; it writes the per-step losses (mean over ranks), step times and final weights, and for
+the benchmarks the clock at each step's end (`step_ends`, perf_counter: steady-state time per step
+including data loading) and the wall-clock time the first step ended (`first_step_end`, time.time:
+start-up as seen by whoever launched it).
 
     python bench/plain_loop.py --steps 20 --out /tmp/plain
     torchrun --nproc_per_node=2 bench/plain_loop.py --steps 20 --out /tmp/plain
@@ -61,7 +64,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
 
-    losses, step_times, step, epoch = [], [], 0, 0
+    losses, step_times, step_ends, step, epoch = [], [], [], 0, 0
+    first_step_end = None
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -76,6 +80,9 @@ def main() -> None:
                 dist.all_reduce(value)
             losses.append(value.item() / world)
             step_times.append(time.perf_counter() - started)
+            step_ends.append(time.perf_counter())
+            if first_step_end is None:
+                first_step_end = time.time()
             step += 1
             if step == args.steps:
                 break
@@ -86,7 +93,8 @@ def main() -> None:
         plain = model.module if distributed else model
         torch.save(plain.state_dict(), os.path.join(args.out, "weights.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"losses": losses, "step_times": step_times}, f)
+            json.dump({"losses": losses, "step_times": step_times, "step_ends": step_ends,
+                       "first_step_end": first_step_end}, f)
     if distributed:
         dist.destroy_process_group()
 

@@ -69,3 +69,46 @@ def served_synthetic(cfg):
     served.num_classes = len(synthetic.CLASSES)
     served.sample_shape = (3, synthetic.IMAGE_SIZE, synthetic.IMAGE_SIZE)
     return served, val
+
+
+class FaultyCNN(SimpleCNN):
+    """SimpleCNN that misbehaves on one rank at one training forward call, as a user's buggy
+    model or a broken node would: fault is one of 'raise', 'stall', 'kill', 'nan', 'nan_from'.
+    With `first_attempt_only`, torchrun's restarted workers behave."""
+
+    def __init__(self, fault: str, at_call: int, on_rank: int = 1, first_attempt_only: bool = False,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fault, self.at_call, self.on_rank = fault, at_call, on_rank
+        armed = not first_attempt_only or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.armed = armed and int(os.environ.get("RANK", "0")) == on_rank
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self.training:
+            return out
+        self.calls += 1
+        if self.armed and (self.calls == self.at_call or (self.fault == "nan_from" and self.calls >= self.at_call)):
+            if self.fault == "raise":
+                raise RuntimeError(f"injected failure in forward call {self.calls}")
+            if self.fault == "stall":
+                time.sleep(3600)
+            if self.fault == "kill":
+                os.kill(os.getpid(), 9)
+            if self.fault in ("nan", "nan_from"):
+                return out * float("nan")
+        return out
+
+
+def faulty_cnn(cfg) -> nn.Module:
+    args = dict(cfg.args)
+    return FaultyCNN(num_classes=10, in_channels=3, **args)
+
+
+def empty_data(cfg):
+    norm = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    images, labels = synthetic.generate(10, "val")
+    empty = ImageDataset(images[:0], labels[:0], *norm)
+    empty.num_classes, empty.sample_shape = 10, (3, 32, 32)
+    return empty, ImageDataset(images, labels, *norm)

@@ -277,16 +277,22 @@ class Checkpointer:
                 else:
                     _torch_save(meta, os.path.join(tmp, META_FILE))
                 self._publish(name, tmp, meta)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
             if dist.is_main():
                 shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self.dir).free
+            needed = _tensor_bytes(payload) + _tensor_bytes(meta)
+            free = shutil.disk_usage(self.dir).free
+            # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
+            out_of_space = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or free < needed
+            if out_of_space:
                 raise CheckpointError(
                     f"checkpoint error: disk full while saving {name}: it needs about "
-                    f"{_tensor_bytes(payload) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in "
-                    f"{self.dir}; the previous checkpoint is kept") from None
-            raise CheckpointError(f"checkpoint error: cannot write {name} in {self.dir}: {e}") from None
+                    f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {self.dir}; "
+                    f"the previous checkpoint is kept") from None
+            if isinstance(e, OSError):
+                raise CheckpointError(f"checkpoint error: cannot write {name} in {self.dir}: "
+                                      f"{e}; the previous checkpoint is kept") from None
+            raise
 
     def _publish(self, name: str, tmp: str, meta: dict) -> None:
         """Rank 0, after every shard is on disk: rename into place, marker, latest, rotation."""
@@ -400,8 +406,9 @@ class Checkpointer:
             data = load_file(os.path.join(folder, FULL_FILE))
             meta = data
             options = StateDictOptions(full_state_dict=True)
+            saved_keys = list(data["model"])  # before loading, which fills in missing entries
             self._apply(lambda: set_model_state_dict(self.model, data["model"], options=options),
-                        folder, data["model"].keys())
+                        folder, saved_keys)
             self._apply(lambda: set_optimizer_state_dict(self.model, self.optimizer, data["optimizer"],
                                                          options=options), folder, ())
         else:
@@ -423,8 +430,8 @@ class Checkpointer:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if theirs and theirs != ours:
                 missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
-                detail = (f"checkpoint is from a different model: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
+                detail = (f"checkpoint is from a different model: {len(missing)} key(s) missing "
+                          f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
             raise UserError(f"checkpoint error: {folder}: {detail}") from None
 
     def _restore_meta(self, meta: dict[str, Any], folder: str) -> None:

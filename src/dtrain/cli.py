@@ -77,10 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_error(message: str) -> None:
-    # Under torchrun every rank sees the same config error: one copy of the line is enough.
-    if os.environ.get("RANK", "0") == "0" or os.environ.get("DTRAIN_ALL_RANKS_ERRORS"):
+def _print_error(message: str, every_rank: bool = False) -> None:
+    """One line on stderr. Under torchrun every rank meets the same config error, so only rank
+    0 prints it; a lost peer is seen differently by each rank, so each says what it saw."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"dtrain: {message}", file=sys.stderr, flush=True)
+    elif every_rank:
+        print(f"dtrain: [rank {rank}] {message}", file=sys.stderr, flush=True)
 
 
 @record
@@ -88,14 +92,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     from dtrain.checkpoint import CheckpointError
-    from dtrain.errors import TrainingStopped, UserError
+    from dtrain.errors import PeerFailure, TrainingStopped, UserError
     try:
         return handler(args)
-    except UserError as e:
+    except (UserError, TrainingStopped, CheckpointError) as e:
         _print_error(str(e))
         return e.exit_code
-    except (TrainingStopped, CheckpointError) as e:
-        _print_error(str(e))
+    except PeerFailure as e:
+        _print_error(str(e), every_rank=True)
         return e.exit_code
 
 

@@ -6,11 +6,11 @@ so the same code runs as one process or many.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import signal
-import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,9 +20,6 @@ import torch.distributed as torch_dist
 from dtrain.config import DistConfig
 from dtrain.env import Env, device_index
 from dtrain.errors import UserError
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,7 @@ def pick_backend(requested: str, device: torch.device) -> str:
 def init(env: Env, cfg: DistConfig) -> Runtime:
     """Set the device and, for a distributed launch, create the default process group."""
     if env.launcher == "torchrun":
-        _die_with_parent()
+        _die_with_agent()
     device = pick_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -76,19 +73,20 @@ def init(env: Env, cfg: DistConfig) -> Runtime:
     return Runtime(env=env, device=device, backend=backend)
 
 
-def _die_with_parent() -> None:
+def _die_with_agent() -> None:
     """torchrun starts each worker in a session of its own, so a worker outlives an agent that is
-    killed outright and would go on writing checkpoints beside the run that replaces it. Ask the
-    kernel to end this worker with its agent (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the agent died before the request took effect
-        os._exit(1)
+    killed outright and would go on writing checkpoints beside the run that replaces it. A
+    watchdog thread ends this worker once it is orphaned. (The kernel's parent-death signal does
+    not fit: it fires when the agent's *thread* that started the worker ends, which torchrun's
+    restarts do.)"""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dtrain-agent-watchdog", daemon=True).start()
 
 
 def _set_timeout(seconds: float) -> None:
@@ -155,6 +153,37 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     torch_dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+_COLLECTIVE_FAILURE_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset",
+                             "Broken pipe", "NCCL", "gloo", "ProcessGroup", "peer")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because of another rank (a timeout, a closed
+    connection), as opposed to a bug of this rank's own."""
+    backend_error = getattr(torch_dist, "DistBackendError", ())
+    if backend_error and isinstance(error, backend_error):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _COLLECTIVE_FAILURE_SIGNS)
+
+
+def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> Optional[list[int]]:
+    """After a failed collective: the ranks that do not report back through the rendezvous store
+    within `wait_s` (the stalled or dead ones). Every rank whose collective failed reports itself.
+    None when the store itself is gone (its host, rank 0's agent, died)."""
+    try:
+        store = torch_dist.distributed_c10d._get_default_store()
+        store.set(f"dtrain/alive/{tag}/{rank()}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = list(range(world_size()))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"dtrain/alive/{tag}/{r}"])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 - the store is best effort here
+        return None
 
 
 def gather_objects(obj: Any) -> list[Any]:

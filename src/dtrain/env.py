@@ -45,10 +45,15 @@ def _int(environ: Mapping[str, str], name: str) -> int:
 
 
 def detect(environ: Mapping[str, str] = os.environ) -> Env:
+    """Where this process stands. Raises UserError for a SLURM launch that cannot work."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return _from_torchrun(environ)
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and "SLURM_STEP_ID" in environ:
-        return _from_slurm(environ)
+    if "SLURM_JOB_ID" in environ:
+        # srun sets SLURM_STEP_ID in every task it starts; the batch script itself (and an
+        # salloc shell) has the job's variables but no step id.
+        if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
+            return _from_slurm(environ)
+        _check_started_by_srun(environ)
     return Env(launcher="single", slurm_job_id=environ.get("SLURM_JOB_ID"))
 
 
@@ -71,29 +76,84 @@ def _from_torchrun(environ: Mapping[str, str]) -> Env:
     )
 
 
+def _check_started_by_srun(environ: Mapping[str, str]) -> None:
+    """A job that asked for several tasks but started this process directly (from the batch
+    script or an salloc shell, not through srun) would train on one of them and idle the rest."""
+    tasks = _int(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else (
+        _int(environ, "SLURM_JOB_NUM_NODES") if "SLURM_JOB_NUM_NODES" in environ else 1)
+    if tasks > 1:
+        raise UserError(f"slurm error: job {environ['SLURM_JOB_ID']} has {tasks} tasks but this "
+                        f"process was not started by srun, so it would be one task alone; start "
+                        f"it with 'srun python launch/train.py ...' (slurm/train.sbatch does)")
+
+
 def _from_slurm(environ: Mapping[str, str]) -> Env:
-    world = _int(environ, "SLURM_NTASKS")
-    num_nodes = _int(environ, "SLURM_JOB_NUM_NODES") if "SLURM_JOB_NUM_NODES" in environ else (
-        _int(environ, "SLURM_NNODES") if "SLURM_NNODES" in environ else 1)
-    if world % num_nodes != 0:
-        raise UserError(f"slurm error: {world} tasks do not divide evenly across {num_nodes} "
-                        f"nodes; ask for --ntasks-per-node instead of --ntasks")
-    job_id = environ.get("SLURM_JOB_ID", "0")
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "127.0.0.1"
+    # The step's own variables first: a step may use fewer tasks or nodes than the job holds.
+    world = _first_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    num_nodes = _first_int(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES",
+                           default=1)
+    node_rank = _first_int(environ, "SLURM_NODEID", default=0)
+    per_node_text = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    per_node = expand_tasks_per_node(per_node_text) if per_node_text else []
+    if len(set(per_node)) > 1 or world % num_nodes != 0:
+        layout = per_node_text or f"{world} tasks on {num_nodes} nodes"
+        raise UserError(f"slurm error: tasks are spread unevenly across nodes ({layout}); every "
+                        f"node needs the same number of ranks: ask for --ntasks-per-node=N "
+                        f"instead of --ntasks")
+    job_id = environ["SLURM_JOB_ID"]
+    nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                or environ.get("SLURM_NODELIST") or "127.0.0.1")
     return Env(
         launcher="slurm",
         rank=_int(environ, "SLURM_PROCID"),
-        local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+        local_rank=_first_int(environ, "SLURM_LOCALID", default=0),
         world_size=world,
         local_world_size=world // num_nodes,
-        node_rank=_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+        node_rank=node_rank,
         num_nodes=num_nodes,
         master_addr=environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
         master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
         else port_for_job(job_id),
         slurm_job_id=job_id,
-        restart_count=_int(environ, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in environ else 0,
+        restart_count=_first_int(environ, "SLURM_RESTART_COUNT", default=0),
     )
+
+
+def _first_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> int:
+    for name in names:
+        if name in environ:
+            return _int(environ, name)
+    if default is None:
+        raise UserError(f"environment error: none of {', '.join(names)} is set")
+    return default
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """SLURM's compressed task counts, e.g. '4(x2),3' -> [4, 4, 3]."""
+    counts: list[int] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not match:
+            raise UserError(f"environment error: cannot read the tasks per node {text!r}")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def device_index(env: Env, visible_gpus: int) -> int:
+    """The CUDA device of this rank among the GPUs it sees, or a UserError when the node has
+    more ranks than GPUs. With one visible GPU per task, SLURM has bound one GPU to each task
+    (--gpus-per-task, --gpu-bind): every task uses its device 0."""
+    if env.local_rank < visible_gpus:
+        return env.local_rank
+    if env.launcher == "slurm" and visible_gpus == 1:
+        return 0
+    if env.launcher == "slurm":
+        raise UserError(f"device error: {env.local_world_size} tasks on this node but "
+                        f"{visible_gpus} visible GPU(s); ask for one task per GPU "
+                        f"(--ntasks-per-node={visible_gpus}) or as many GPUs as tasks "
+                        f"(--gpus-per-node={env.local_world_size})")
+    raise UserError(f"device error: {env.local_world_size} ranks per node requested, found "
+                    f"{visible_gpus} visible GPU(s); use --nproc_per_node={visible_gpus} or fewer")
 
 
 def port_for_job(job_id: str) -> int:

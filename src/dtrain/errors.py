@@ -11,3 +11,10 @@ class TrainingStopped(Exception):
     """Training cannot go on (non-finite loss, too many skipped steps): exit 1 with this message."""
 
     exit_code = 1
+
+
+class PeerFailure(Exception):
+    """A collective failed because another rank died or stalled: exit 1 with this message, on
+    every rank that saw it (it is not the same on all ranks)."""
+
+    exit_code = 1

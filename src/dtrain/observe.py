@@ -30,7 +30,7 @@ def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
     prefix = "" if rank == 0 else f"[rank {rank}] "
     fmt = logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     if rank == 0 or all_ranks:
-        console = logging.StreamHandler(sys.stderr)
+        console = _Console(sys.stderr)
         console.setFormatter(fmt)
         log.addHandler(console)
     if run_dir is not None:
@@ -38,6 +38,23 @@ def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
         handler = logging.FileHandler(os.path.join(run_dir, name), encoding="utf-8")
         handler.setFormatter(fmt)
         log.addHandler(handler)
+
+
+class _Console(logging.StreamHandler):
+    """The console handler. A log line first erases a live progress bar on the same terminal and
+    redraws it below, so that lines and bar never run into each other."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.bar: Optional["Progress"] = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = self.bar
+        if bar is not None:
+            bar.erase()
+        super().emit(record)
+        if bar is not None:
+            bar.redraw()
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -48,39 +65,101 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; on anything else (SLURM logs, CI, a pipe) plain
-    timestamped lines at most every `every_s` seconds or every `every_steps` steps."""
+    """Rank 0's console view of training.
+
+    On a terminal: one bar per epoch with loss, lr, samples/s and the time left, redrawn in place
+    at most `REDRAW_S` apart. Anywhere else (a SLURM log, CI, `| tee`): no carriage returns, only
+    timestamped lines, one every `train.log_every` steps and one whenever `every_s` seconds pass
+    without a line, so that a slow job still shows signs of life and a fast one does not flood
+    the file. Logged steps also go to log.txt in both cases.
+    """
+
+    REDRAW_S = 0.1
+    BAR_WIDTH = 24
 
     def __init__(self, stream: TextIO, style: str, every_s: float) -> None:
         self.stream = stream
         self.bar = style == "bar" or (style == "auto" and stream.isatty())
         self.every_s = every_s
-        self.last_line = 0.0
-        self.epoch_steps, self.epoch = 0, 0
+        self.last_line = time.monotonic()
+        self.last_draw = 0.0
+        self.text = ""  # the bar as it is on screen; "" when none is
+        self.epoch, self.epoch_steps = 0, 0
+        self.epoch_started, self.first_done = 0.0, None
+        self.latest: Optional[tuple[int, dict[str, Any]]] = None  # the last update, drawn or not
+        self.shown_done = 0
+        self.linked = False  # whether the console handler redraws the bar after each log line
+        if self.bar:
+            for handler in log.handlers:
+                if isinstance(handler, _Console) and handler.stream is stream:
+                    handler.bar, self.linked = self, True
 
     def start_epoch(self, epoch: int, steps: int) -> None:
         self.epoch, self.epoch_steps = epoch, steps
+        self.epoch_started, self.first_done, self.latest = time.monotonic(), None, None
 
-    def update(self, done: int, record: dict[str, Any], force_line: bool) -> None:
-        if self.bar:
-            width = 30
-            filled = int(width * done / max(1, self.epoch_steps))
-            self.stream.write(f"\repoch {self.epoch} [{'#' * filled}{'.' * (width - filled)}] "
-                              f"{done}/{self.epoch_steps} loss {record['loss']:.4f} "
-                              f"lr {record['lr']:.3g} {record['samples_per_s']:.0f} samples/s ")
-            if done >= self.epoch_steps:
-                self.stream.write("\n")
-            self.stream.flush()
-            return
+    def update(self, done: int, record: dict[str, Any], at_log_step: bool) -> None:
         now = time.monotonic()
-        if force_line or now - self.last_line >= self.every_s:
+        if self.first_done is None:  # a resumed epoch starts part-way: time only this attempt's steps
+            self.first_done = done - 1
+        self.latest = (done, record)
+        render = self.bar and (at_log_step or done >= self.epoch_steps
+                               or now - self.last_draw >= self.REDRAW_S)
+        if render:
+            self._render(done, record, now)
+        if at_log_step or (not self.bar and now - self.last_line >= self.every_s):
             self.last_line = now
-            log.info(format_record(record))
+            log.info(format_record(record))  # the console handler redraws the bar after the line
+        if render and not (at_log_step and self.linked):
+            self.redraw()
+
+    def _render(self, done: int, record: dict[str, Any], now: float) -> None:
+        self.last_draw, self.shown_done = now, done
+        total = max(1, self.epoch_steps)
+        elapsed = now - self.epoch_started
+        rate = (done - self.first_done) / max(1e-9, elapsed)
+        left = (total - done) / rate if rate > 0 else 0.0
+        head = f"epoch {self.epoch} {100 * done // total:3d}%|"
+        tail = (f"| {done}/{total} [{_clock(elapsed)}<{_clock(left)}] loss {record['loss']:.4f} "
+                f"lr {record['lr']:.3g} {record['samples_per_s']:.0f} samples/s")
+        # The line must never wrap, or \r no longer returns to its start: the bar gives way first.
+        columns = _columns(self.stream) - 1
+        width = max(5, min(self.BAR_WIDTH, columns - len(head) - len(tail)))
+        filled = int(width * min(done, total) / total)
+        self.text = (head + "#" * filled + "." * (width - filled) + tail)[:max(20, columns)]
+
+    def erase(self) -> None:
+        if self.text:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def redraw(self) -> None:
+        if self.text:
+            self.stream.write("\r\x1b[K" + self.text)
+            self.stream.flush()
 
     def end_epoch(self) -> None:
-        if self.bar:
+        """Leave the finished (or interrupted) bar on screen, up to date, and start a new line."""
+        if self.bar and self.latest is not None and self.latest[0] != self.shown_done:
+            self._render(*self.latest, time.monotonic())
+            self.redraw()
+        if self.text:
             self.stream.write("\n")
             self.stream.flush()
+            self.text = ""
+
+
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80
+    except (OSError, ValueError, AttributeError):
+        return 80
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
 def format_record(record: dict[str, Any]) -> str:
@@ -106,9 +185,9 @@ class RunLog:
         self.metrics = open(path, "a", encoding="utf-8")
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            # purge_step discards events the interrupted attempt wrote after the resumed step.
-            self.writer = SummaryWriter(os.path.join(run_dir, "tb"),
-                                        purge_step=resumed_step + 1 if resumed_step else None)
+            # purge_step: TensorBoard discards the events an earlier attempt wrote from this step
+            # on (after the resumed checkpoint; all of them on a fresh start in a used directory).
+            self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resumed_step + 1)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -127,7 +206,9 @@ class RunLog:
                         self.writer.add_scalar(f"train/{key}", record[key], record["step"])
                 for key, value in extra_scalars.items():
                     self.writer.add_scalar(key, value, record["step"])
-        self.progress.update(done_in_epoch, record, force_line=at_log_step)
+                # On disk at every logged step, as metrics.jsonl is: a killed run keeps its curves.
+                self.writer.flush()
+        self.progress.update(done_in_epoch, record, at_log_step)
 
     def evaluation(self, record: dict[str, Any]) -> None:
         log.info(format_record(record))  # every rank's log: they must all show the same numbers
@@ -139,13 +220,20 @@ class RunLog:
             self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
             self.writer.flush()
 
-    def hparams(self, final_metrics: dict[str, float]) -> None:
+    def hparams(self, step: int, final_metrics: dict[str, Optional[float]]) -> None:
+        """The flattened resolved config and the final/best metrics, for the HParams tab. The
+        run's own writer writes them (SummaryWriter.add_hparams would open a second event file)."""
         if self.writer is None:
             return
+        from torch.utils.tensorboard.summary import hparams
         flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                 for k, v in flatten(to_dict(self.cfg)).items()}
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items() if v is not None}
-        self.writer.add_hparams(flat, metrics, run_name=".")
+        for summary in hparams(flat, metrics):
+            self.writer.file_writer.add_summary(summary, step)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -15,9 +15,10 @@ import numpy
 import torch
 from torch import nn
 
-from dtrain import checkpoint, data, dist, env as env_mod, models, optim, parallel, signals
+from dtrain import (checkpoint, data, dist, env as env_mod, models, optim, parallel, profiling,
+                    records, signals, slurm)
 from dtrain.config import Config, dump
-from dtrain.errors import UserError
+from dtrain.errors import PeerFailure, UserError
 from dtrain.observe import RunLog, log, setup_logging
 from dtrain.trainer import Trainer, TrainState
 
@@ -89,8 +90,8 @@ def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[An
     if is_fsdp:
         # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device=device.type)
-    return torch.amp.GradScaler(device.type)
+        return ShardedGradScaler(device=device.type, init_scale=cfg.train.loss_scale_init)
+    return torch.amp.GradScaler(device.type, init_scale=cfg.train.loss_scale_init)
 
 
 def train(cfg: Config) -> str:
@@ -100,17 +101,25 @@ def train(cfg: Config) -> str:
     check_layout(cfg, env)
     runtime = dist.init(env, cfg.dist)
     signals.install()
+    record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
     try:
-        return _train(cfg, runtime)
+        outcome = _train(cfg, runtime, record)
+        if outcome == "preempted" and dist.is_main():
+            slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
+        return outcome
+    except BaseException as e:
+        record.fail(e)
+        raise
     finally:
         signals.uninstall()
         dist.shutdown()
 
 
-def _train(cfg: Config, runtime: dist.Runtime) -> str:
+def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str:
     rank, world = dist.rank(), dist.world_size()
     run_dir = prepare_run_dir(cfg)
     setup_logging(run_dir, rank, cfg.log.all_ranks)
+    record.start(run_dir)
     if dist.is_main():
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(dump(cfg))
@@ -124,6 +133,9 @@ def _train(cfg: Config, runtime: dist.Runtime) -> str:
         data_cfg.augment = False  # overfitting a fixed set of batches: the same images each time
     datasets = data.build(data_cfg, cfg.run.seed)
     loaders = data.loaders(datasets, data_cfg, cfg.run.seed, rank, world, runtime.device, overfit)
+    if overfit:
+        log.info(f"overfit check: the same {overfit} batch(es) per rank every epoch, augmentation "
+                 f"off; the training loss should fall towards 0")
     steps_per_epoch = len(loaders[0]) // cfg.train.grad_accum
     if steps_per_epoch < 1:
         raise UserError(f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
@@ -150,8 +162,10 @@ def _train(cfg: Config, runtime: dist.Runtime) -> str:
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
 
+    model_info = {"num_classes": cfg.model.num_classes or datasets.num_classes,
+                  "in_channels": datasets.in_channels, "image_size": datasets.image_size}
     checkpoints = checkpoint.Checkpointer(cfg, run_dir, wrapped, optimizer, extra_state,
-                                          load_extra_state, runtime.device, is_fsdp)
+                                          load_extra_state, runtime.device, is_fsdp, model_info)
     state = TrainState()
     resumed = checkpoints.resume()
     if resumed:
@@ -161,14 +175,41 @@ def _train(cfg: Config, runtime: dist.Runtime) -> str:
     trainer = Trainer(cfg, wrapped, optimizer, schedule, scaler, loaders, runtime.device, is_fsdp,
                       run_log, checkpoints, state)
     trainer.on_first_step = lambda: _log_state_bytes(wrapped, optimizer, is_fsdp)
+    trainer.after_save = record.update
+    if runtime.env.slurm_job_id and dist.is_main():
+        job_id = runtime.env.slurm_job_id
+        trainer.before_stop_save = lambda last_save_s: slurm.check_grace(job_id, last_save_s)
+    profiler = profiling.Profiler(cfg.log.profile, run_dir, rank, runtime.device)
+    trainer.after_step = profiler.step
     try:
-        outcome = trainer.fit()
-        run_log.hparams({"val_loss": state.last_eval.get("val_loss"),
-                         "val_acc": state.last_eval.get("val_acc")})
+        profiler.start()
+        outcome = _fit_naming_lost_peers(trainer, cfg)
+        profiler.stop()
+        run_log.hparams(state.step, {"val_loss": state.last_eval.get("val_loss"),
+                                     "val_acc": state.last_eval.get("val_acc"),
+                                     f"best_{cfg.ckpt.monitor}": state.best_metric})
     finally:
         run_log.close()
+    record.update(state, outcome)
     log.info(f"{outcome} at step {state.step}: {run_dir}")
     return outcome
+
+
+def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
+    """Run the loop; a collective broken by another rank becomes one clear line naming it."""
+    try:
+        return trainer.fit()
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a failed collective
+        if not dist.is_distributed() or not dist.is_collective_failure(e):
+            raise
+        step = trainer.state.step + 1
+        missing = dist.ranks_not_arriving(f"step{step}")
+        who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
+               else "another rank failed")
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerFailure(f"distributed error at step {step} on rank {dist.rank()}: {who} "
+                          f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
+                          f"backend said: {first_line}") from None
 
 
 def _set_torch_flags(cfg: Config) -> None:

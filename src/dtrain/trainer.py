@@ -65,6 +65,14 @@ class Trainer:
         # joins the next logged record.
         self.on_first_step: Optional[Callable[[], dict[str, Any]]] = None
         self._pending_record: dict[str, Any] = {}
+        # Called after every optimizer step (the profiler's schedule) and after every checkpoint
+        # save (the run record).
+        self.after_step: Callable[[], None] = lambda: None
+        self.after_save: Callable[[TrainState], None] = lambda state: None
+        # Called before the checkpoint of a stop signal, with how long the last save took (None
+        # before the first): under SLURM, whether it fits before the time limit.
+        self.before_stop_save: Callable[[Optional[float]], None] = lambda last_save_s: None
+        self.last_save_s: Optional[float] = None
 
     # -----------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -89,14 +97,18 @@ class Trainer:
                 state.samples_in_epoch += self.samples_per_step
                 window.add(result, self.samples_per_step)
                 self._log_step(result, window, done)
+                self.after_step()
                 if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
                     self._evaluate()
                 if result.stop_signal:
                     stopped_by = signals.received() or "a stop signal on another rank"
-                if cfg.ckpt.every_steps and state.step % cfg.ckpt.every_steps == 0 and not stopped_by:
+                last_in_epoch = done == done_before + steps_this_epoch
+                # A save due on an epoch's last step waits for the epoch's end, so that the
+                # checkpoint says "next epoch" and holds that epoch's evaluation.
+                if self._save_due_by_steps() and not last_in_epoch and not stopped_by:
                     self._save()
                 if stopped_by or state.step >= max_steps:
-                    epoch_finished = done == done_before + steps_this_epoch
+                    epoch_finished = last_in_epoch
                     break
             del batches  # stops the loader workers of an unfinished epoch
             self.run_log.progress.end_epoch()
@@ -105,11 +117,13 @@ class Trainer:
                 state.samples_in_epoch = 0
                 if cfg.train.eval_every_epochs and state.epoch % cfg.train.eval_every_epochs == 0:
                     self._evaluate()
-                if cfg.ckpt.every_epochs and state.epoch % cfg.ckpt.every_epochs == 0 and not stopped_by:
+                due_by_epochs = cfg.ckpt.every_epochs and state.epoch % cfg.ckpt.every_epochs == 0
+                if (due_by_epochs or self._save_due_by_steps()) and not stopped_by:
                     self._save()
         if stopped_by:
             log.info(f"stop requested ({stopped_by}) at step {state.step}: saving a checkpoint "
                      f"and exiting")
+            self.before_stop_save(self.last_save_s)
             self._save()
             self.checkpoints.wait()
             return "preempted"
@@ -151,6 +165,8 @@ class Trainer:
                               dtype=torch.float64, device=self.device)
         dist.all_reduce_sum(shared)
         loss_value, any_nonfinite, any_stop = shared.tolist()
+        if grad_norm is None and (self.state.step + 1) % cfg.train.log_every == 0:
+            grad_norm = self._measure_grad_norm()  # for the log only: decisions stay as they were
         skipped = self._step_or_skip(any_nonfinite > 0)
         return StepResult(loss=loss_value / dist.world_size(), grad_norm=grad_norm, skipped=skipped,
                           stop_signal=any_stop > 0, data_wait_s=data_wait,
@@ -215,6 +231,16 @@ class Trainer:
             norm = norm.full_tensor()
         return float(norm)
 
+    def _measure_grad_norm(self) -> float:
+        """The global gradient norm without clipping: one pass over the gradients, which DDP has
+        already averaged and FSDP holds as sharded DTensors."""
+        norm = nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        # Under fp16 the gradients still carry the loss scale (not yet unscaled or updated).
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+        return float(norm) / scale
+
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -244,10 +270,20 @@ class Trainer:
         state = self.state
         state.last_eval = {"step": state.step, **metrics}
         self.schedule.on_eval(metrics.get(self.cfg.ckpt.monitor, metrics["val_acc"]))
+        value = metrics.get(self.cfg.ckpt.monitor)
+        if value is not None and _improves(value, state.best_metric, self.cfg.ckpt.monitor_mode):
+            state.best_metric = value
         self.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
 
+    def _save_due_by_steps(self) -> bool:
+        every = self.cfg.ckpt.every_steps
+        return bool(every) and self.state.step % every == 0
+
     def _save(self) -> None:
+        started = time.perf_counter()
         self.checkpoints.save(self.state)
+        self.last_save_s = time.perf_counter() - started
+        self.after_save(self.state)
 
     # -----------------------------------------------------------------------------------------
     def _log_step(self, result: StepResult, window: "_Window", done_in_epoch: int) -> None:
@@ -270,6 +306,10 @@ class Trainer:
         self.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
+
+
+def _improves(value: float, best: Optional[float], mode: str) -> bool:
+    return best is None or (value > best if mode == "max" else value < best)
 
 
 class _Window:

@@ -1,0 +1,514 @@
+"""`dtrain plan`: what a config will do, worked out before launching it.
+
+Nothing here starts a process group or reads training data. Dataset sizes come from the config
+(synthetic), from the known sizes of the built-in datasets, or from counting files (imagefolder).
+The model is built on the meta device, so even a model far larger than this machine costs
+nothing; activations come from a forward on fake tensors (shapes only, no memory) with hooks that
+add up what autograd saves for the backward.
+
+The state figures (parameters, gradients, optimizer state) are exact: they follow FSDP2's
+sharding rule (dim 0 split into `ceil(d0 / shards)` rows per rank) and the optimizers' state
+layout, and equal what a run logs as `state_bytes`. Activations, buffers and communication
+volumes are estimates.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtrain import data, models, parallel
+from dtrain.config import Config, dump
+from dtrain.env import Env
+from dtrain.errors import UserError
+
+# Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
+KNOWN_DATASETS = {
+    "cifar10": (50000, 10000, 3, 32, 10),
+    "mnist": (60000, 10000, 1, 28, 10),
+    "fashion_mnist": (60000, 10000, 1, 28, 10),
+}
+# RNG states (~15 KiB per rank), the resolved config and the small training state in a checkpoint.
+CHECKPOINT_META_BYTES_PER_RANK = 16 * 1024
+# Container overhead per stored tensor: an entry in checkpoint.pt's zip ("full"), or a torch.save
+# of its own in a .distcp file plus its line in DCP's .metadata ("sharded"). It matters only for
+# small models, where it can double the size.
+FULL_BYTES_PER_TENSOR = 270
+DCP_BYTES_PER_ITEM = 1800
+_ADAM_STEP_BYTES = 4  # Adam's per-parameter `step` is a float32 scalar tensor, never sharded
+
+
+class _SizeOnly(Dataset):
+    """Stands in for a dataset of which plan needs the length only."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: object) -> None:
+        raise IndexError("dtrain plan reads no samples")
+
+
+@dataclass
+class Memory:
+    """Per-rank bytes for one parallel mode and precision."""
+    mode: str
+    precision: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: Optional[int]  # None when the forward could not be traced
+    buffers: int  # DDP gradient buckets, or FSDP's gathered parameters and unsharded gradients
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + (self.activations or 0) + self.buffers
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    world_size: int
+    nproc: int
+    nnodes: int
+    device: str
+    backend: Optional[str]
+    device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
+    train_size: int
+    val_size: int
+    sample_shape: tuple[int, int, int]
+    num_classes: int
+    effective_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    num_params: int
+    num_blocks: int
+    checkpoint_format: str
+    checkpoint_bytes: int
+    checkpoints_kept: int
+    memory: list[Memory]
+    comm_bytes: dict[str, int]  # mode -> bytes sent per rank per optimizer step
+    state_bytes_unsharded: int
+    activation_note: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def memory_for(self, mode: str, precision: Optional[str] = None) -> Memory:
+        precision = precision or self.cfg.train.precision
+        return next(m for m in self.memory if m.mode == mode and m.precision == precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data sizes without data
+
+def _dataset_shapes(cfg: Config) -> data.Datasets:
+    """Datasets of the right lengths whose samples are never read, with the sample shape."""
+    dcfg = cfg.data
+    if ":" in dcfg.name:  # a user's datasets: constructing them is the only way to learn the sizes
+        return data.build(dcfg, cfg.run.seed)
+    if dcfg.name == "synthetic":
+        from dtrain import synthetic
+        sizes = (dcfg.synthetic.train_size, dcfg.synthetic.val_size, 3, synthetic.IMAGE_SIZE,
+                 len(synthetic.CLASSES))
+    elif dcfg.name in KNOWN_DATASETS:
+        sizes = KNOWN_DATASETS[dcfg.name]
+    elif dcfg.name == "imagefolder":
+        sizes = _count_image_folder(dcfg.root, dcfg.image_size or 224)
+    else:
+        data.build(dcfg, cfg.run.seed)  # raises the run's own error for an unknown name
+        raise AssertionError("unreachable")
+    train, val, channels, size, classes = sizes
+    return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val), num_classes=classes,
+                         in_channels=channels, image_size=size)
+
+
+def _count_image_folder(root: str, image_size: int) -> tuple[int, int, int, int, int]:
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    counts, classes = [], []
+    for split in ("train", "val"):
+        path = os.path.join(root, split)
+        if not os.path.isdir(path):
+            raise UserError(f"data error: image folder '{split}' not found under '{root}': "
+                            f"expected {path}/<class>/<image>")
+        try:
+            names, index = find_classes(path)
+            counts.append(len(make_dataset(path, index, extensions=IMG_EXTENSIONS)))
+        except (FileNotFoundError, RuntimeError) as e:
+            raise UserError(f"data error: {path}: {e}") from None
+        classes.append(names)
+    return counts[0], counts[1], 3, image_size, len(classes[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# State: parameters, gradients, optimizer state per rank
+
+def _shard_rows(rows: int, shards: int, rank: int) -> int:
+    """Rows of a dim-0 size `rows` that `rank` holds when FSDP2 splits it over `shards` ranks."""
+    chunk = math.ceil(rows / shards)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def _local_bytes(p: torch.Tensor, shards: int, rank: int) -> int:
+    if shards == 1 or p.dim() == 0:
+        return p.numel() * p.element_size()
+    per_row = p.numel() // p.shape[0] if p.shape[0] else 0
+    return _shard_rows(p.shape[0], shards, rank) * per_row * p.element_size()
+
+
+def _optimizer_slots(cfg: Config) -> int:
+    """Tensors of a parameter's size that the optimizer keeps per parameter."""
+    if cfg.optim.name == "sgd":
+        return 1 if cfg.optim.momentum != 0 else 0
+    return 2  # Adam / AdamW: first and second moments
+
+
+def state_bytes(model: nn.Module, cfg: Config, shards: int, rank: int = 0) -> dict[str, int]:
+    """The bytes `run.state_bytes` measures after the first step, computed from shapes:
+    params, grads, optimizer and their total for `rank` of `shards`, and 'unsharded'."""
+    slots = _optimizer_slots(cfg)
+    adam = cfg.optim.name in ("adam", "adamw")
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
+    for p in model.parameters():
+        local, full = _local_bytes(p, shards, rank), p.numel() * p.element_size()
+        totals["params"] += local
+        totals["unsharded"] += full
+        if not p.requires_grad:
+            continue
+        totals["grads"] += local
+        totals["optimizer"] += slots * local + (_ADAM_STEP_BYTES if adam else 0)
+        totals["unsharded"] += full + slots * full + (_ADAM_STEP_BYTES if adam else 0)
+    totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    return totals
+
+
+def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> int:
+    """Bytes of one checkpoint on disk: model state, optimizer state, their container overhead
+    ("full" when `shards` is 1, DCP pieces from every rank holding a shard otherwise), and the
+    per-rank metadata."""
+    slots = _optimizer_slots(cfg)
+    adam = cfg.optim.name in ("adam", "adamw")
+    data_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    data_bytes += sum(slots * p.numel() * p.element_size() for p in trainable)
+    data_bytes += _ADAM_STEP_BYTES * len(trainable) if adam else 0
+    meta = CHECKPOINT_META_BYTES_PER_RANK * world
+    per_param_tensors = slots + (1 if adam else 0)
+    if shards == 1:
+        count = len(model.state_dict()) + per_param_tensors * len(trainable)
+        return data_bytes + count * FULL_BYTES_PER_TENSOR + meta
+
+    def pieces(t: torch.Tensor) -> int:  # ranks with a non-empty shard of a parameter
+        return sum(1 for r in range(shards) if _local_bytes(t, shards, r)) if t.dim() else 1
+
+    params = dict(model.named_parameters())
+    count = sum(pieces(t) if name in params else 1 for name, t in model.state_dict().items())
+    count += sum(slots * pieces(p) + (1 if adam else 0) for p in trainable)
+    # the optimizer's hyperparameters are stored as items too, one per key of its param group
+    from dtrain.optim import build_optimizer
+    count += len(build_optimizer(model, cfg.optim).param_groups[0])
+    return data_bytes + count * DCP_BYTES_PER_ITEM + meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: what autograd saves for the backward, traced on fake tensors
+
+@dataclass
+class _Saved:
+    """Bytes saved for backward by one forward: outside any block, per block, and the blocks'
+    inputs (what activation checkpointing keeps instead of the block's own)."""
+    outside: int
+    per_block: list[int]
+    block_inputs: int
+
+    def retained(self, checkpointing: bool) -> int:
+        if checkpointing and self.per_block:
+            # Kept: block inputs; at the peak, one block's activations are recomputed.
+            return self.outside + self.block_inputs + max(self.per_block)
+        return self.outside + sum(self.per_block)
+
+
+def _trace_saved(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor,
+                 autocast_dtype: Optional[torch.dtype]) -> _Saved:
+    """One forward of `x` (fake tensors, under an active FakeTensorMode), adding up the tensors
+    autograd saves and which block saved them. Parameters and views of them are not counted."""
+    param_ids = {id(p) for p in model.parameters()}
+    seen: dict[int, tuple[torch.Tensor, int, int]] = {}  # holds the tensors so that ids stay unique
+    current, inputs = [-1], [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in param_ids and id(base) not in seen:
+            seen[id(base)] = (base, base.numel() * base.element_size(), current[0])
+        return t
+
+    def enter(index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            current[0] = index
+            inputs[0] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return hook
+
+    def leave(module: nn.Module, args: tuple, output: object) -> None:
+        current[0] = -1
+
+    handles = [h for i, b in enumerate(blocks)
+               for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))]
+    autocast = torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                              enabled=autocast_dtype is not None)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    per_block = [0] * len(blocks)
+    outside = 0
+    for _, size, where in seen.values():
+        if where < 0:
+            outside += size
+        else:
+            per_block[where] += size
+    return _Saved(outside, per_block, inputs[0])
+
+
+def activation_bytes(meta_model: nn.Module, cfg: Config, shape: tuple[int, int, int],
+                     low: torch.dtype) -> dict[str, int]:
+    """Saved-for-backward bytes of one micro-batch of `data.batch_size`, for 'fp32', 'autocast'
+    (DDP's mixed precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs
+    in `low`). Two traced forwards (2 and 4 samples) separate what grows with the batch from what
+    does not (autocast's copies of the weights); 2, not 1, because BatchNorm refuses one sample."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # shapes and dtypes only, no memory
+
+    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
+    checkpointing = cfg.model.activation_checkpointing
+    results = {}
+    for weights, kinds in ((torch.float32, ("fp32", "autocast")), (low, ("cast",))):
+        model = copy.deepcopy(meta_model).to(weights)
+        blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu").train()
+            for kind in kinds:
+                autocast = low if kind == "autocast" else None
+                two, four = (_trace_saved(model, blocks, torch.empty(n, *shape, dtype=weights),
+                                          autocast).retained(checkpointing) for n in (2, 4))
+                per_sample = (four - two) / 2
+                results[kind] = int(two - 2 * per_sample + per_sample * cfg.data.batch_size)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting it together
+
+def _device(nproc: int, world: int) -> tuple[str, int, list[str]]:
+    """The device a rank gets (as dist.pick_device), the memory it may use, and warnings."""
+    warnings = []
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if nproc > count:
+            warnings.append(f"{nproc} ranks per node but {count} GPU(s) visible: the run will stop "
+                            f"with a device error; use --nproc_per_node={count} or fewer")
+        props = torch.cuda.get_device_properties(0)
+        return f"cuda ({props.name})", props.total_memory, warnings
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if world == 1 and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps", ram, warnings
+    return "cpu", ram // nproc, warnings  # the node's ranks share its RAM
+
+
+def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
+    with torch.device("meta"):
+        return models.build(cfg.model, shapes, cfg.run.seed)
+
+
+def _fsdp_shards(cfg: Config, world: int) -> int:
+    replicas = cfg.parallel.fsdp.hybrid_replicas
+    if world % replicas:
+        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
+                        f"the world size {world}")
+    return world // replicas
+
+
+def _param_bytes(modules: list[nn.Module], itemsize: Optional[int] = None) -> int:
+    return sum(p.numel() * (itemsize or p.element_size()) for m in modules for p in m.parameters())
+
+
+def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
+    """Everything `report` prints, as numbers."""
+    from dtrain.run import check_layout
+
+    if nproc is None:
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if nproc < 1 or nnodes < 1:
+        raise UserError("plan error: --nproc and --nnodes must be >= 1")
+    world = nproc * nnodes
+    env = Env(launcher="torchrun" if world > 1 else "single", world_size=world,
+              local_world_size=nproc, num_nodes=nnodes)
+    check_layout(cfg, env)
+    device, device_bytes, warnings = _device(nproc, world)
+    from dtrain.dist import pick_backend
+    backend = pick_backend(cfg.dist.backend, torch.device(device.split()[0])) if world > 1 else None
+
+    shapes = _dataset_shapes(cfg)
+    overfit = cfg.train.overfit_batches
+    train_loader = data.loaders(shapes, cfg.data, cfg.run.seed, 0, world, torch.device("cpu"),
+                                overfit)[0]
+    steps_per_epoch = len(train_loader) // cfg.train.grad_accum
+    if steps_per_epoch < 1:
+        raise UserError(f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
+                        f"than train.grad_accum={cfg.train.grad_accum}; lower one of them")
+    total_steps = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    shape = (shapes.in_channels, shapes.image_size, shapes.image_size)
+
+    model = _build_meta_model(cfg, shapes)
+    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
+    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+    shards = _fsdp_shards(cfg, world)
+    ddp_state = state_bytes(model, cfg, 1)
+    fsdp_state = state_bytes(model, cfg, shards)
+    num_params = sum(p.numel() for p in model.parameters())
+    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    low = "fp16" if cfg.train.precision == "fp16" else "bf16"
+    note = ""
+    try:
+        traced: dict[str, Optional[int]] = dict(activation_bytes(
+            model, cfg, shape, torch.float16 if low == "fp16" else torch.bfloat16))
+    except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
+        traced = {"fp32": None, "autocast": None, "cast": None}
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        note = f"activations not estimated: the forward could not be traced ({first[:120]})"
+    activations = {("ddp", "fp32"): traced["fp32"], ("fsdp", "fp32"): traced["fp32"],
+                   ("ddp", low): traced["autocast"], ("fsdp", low): traced["cast"]}
+
+    accum = cfg.train.grad_accum
+    largest_block = max((_param_bytes([b]) for b in blocks), default=0)
+    block_param_bytes = _param_bytes(blocks)
+    root_bytes = _param_bytes([model]) - block_param_bytes
+    memory = []
+    for precision in ("fp32", low):
+        itemsize = 4 if precision == "fp32" else 2
+        ddp_buffers = trainable_bytes if world > 1 else 0  # DDP's gradient buckets
+        gathered = (root_bytes + 2 * largest_block) * itemsize // 4  # this block + the prefetched one
+        fsdp_buffers = 0
+        if shards > 1:
+            # unsharded gradients: one block's before its reduce-scatter, all of them while
+            # accumulating without synchronisation
+            fsdp_buffers = gathered + (trainable_bytes if accum > 1 else largest_block)
+        for mode, state, buffers in (("ddp", ddp_state, ddp_buffers), ("fsdp", fsdp_state, fsdp_buffers)):
+            memory.append(Memory(mode, precision, state["params"], state["grads"], state["optimizer"],
+                                 activations[(mode, precision)], buffers))
+
+    # Bytes each rank sends per optimizer step with ring collectives.
+    comm = {"ddp": 0, "fsdp": 0}
+    if world > 1:
+        comm["ddp"] = int(2 * (world - 1) / world * trainable_bytes)
+        itemsize = 4 if cfg.train.precision == "fp32" else 2
+        if shards > 1:
+            gathers = root_bytes + block_param_bytes * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
+            comm["fsdp"] = int((shards - 1) / shards * (accum * gathers * itemsize // 4 + trainable_bytes))
+        replicas = world // shards
+        if replicas > 1:
+            comm["fsdp"] += int(2 * (replicas - 1) / replicas * trainable_bytes / shards)
+
+    fmt = cfg.ckpt.format if cfg.ckpt.format != "auto" else (
+        "sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
+    checkpoint_bytes = checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world)
+    plan = Plan(cfg=cfg, world_size=world, nproc=nproc, nnodes=nnodes, device=device, backend=backend,
+                device_bytes=device_bytes, train_size=len(shapes.train), val_size=len(shapes.val),
+                sample_shape=shape, num_classes=cfg.model.num_classes or shapes.num_classes,
+                effective_batch=cfg.data.batch_size * world * accum,
+                steps_per_epoch=steps_per_epoch, total_steps=total_steps, num_params=num_params,
+                num_blocks=len(blocks), checkpoint_format=fmt, checkpoint_bytes=checkpoint_bytes,
+                checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best, memory=memory,
+                comm_bytes=comm, state_bytes_unsharded=ddp_state["unsharded"],
+                activation_note=note, warnings=warnings)
+    chosen = plan.memory_for(_mode(cfg))
+    if chosen.total > device_bytes:
+        other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
+        hint = (f"; {other.mode} would need {_size(other.total)}" if other.total < chosen.total else "")
+        plan.warnings.append(f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
+                             f"{_size(device_bytes)} a rank has on {device}{hint}; consider "
+                             f"parallel.mode=fsdp, train.precision=bf16, "
+                             f"model.activation_checkpointing=true or a smaller data.batch_size")
+    return plan
+
+
+def _mode(cfg: Config) -> str:
+    return "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
+    """The plan as text: layout, data, steps, checkpoints, memory per rank, communication."""
+    p = estimate(cfg, nproc, nnodes)
+    c = cfg
+    chosen_mode = _mode(cfg)
+    max_steps = f" (train.max_steps {c.train.max_steps})" if c.train.max_steps else ""
+    overfit = (f" (train.overfit_batches={c.train.overfit_batches}: the same "
+               f"{c.train.overfit_batches} batches every epoch)" if c.train.overfit_batches else "")
+    lines = [
+        "dtrain plan (no process group started, no training data read)",
+        f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
+        f"{p.device} | backend {p.backend or 'none (single process)'} | mode {c.parallel.mode} | "
+        f"precision {c.train.precision}",
+        f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples of "
+        f"{'x'.join(map(str, p.sample_shape))}, {p.num_classes} classes{overfit}",
+        f"  batch       effective {p.effective_batch} = {c.data.batch_size} per rank x "
+        f"{p.world_size} rank(s) x {c.train.grad_accum} accumulation",
+        f"  steps       {p.steps_per_epoch} per epoch; {p.total_steps} in total over "
+        f"{c.train.epochs} epoch(s){max_steps}",
+        f"  model       {c.model.name}: {p.num_params / 1e6:.3f} M parameters in "
+        f"{p.num_blocks} block(s)",
+        f"  checkpoint  {p.checkpoint_format}, about {_size(p.checkpoint_bytes)} each; at most {p.checkpoints_kept} "
+        f"kept (keep_last {c.ckpt.keep_last} + keep_best {c.ckpt.keep_best}) = "
+        f"{_size(p.checkpoint_bytes * p.checkpoints_kept)} on disk, one more while a save is written",
+        "",
+        f"memory per rank (batch {c.data.batch_size}; FSDP over "
+        f"{_fsdp_shards(cfg, p.world_size)} shard(s); rank 0, the largest shard)",
+        f"  {'':14}{'params':>11}{'grads':>11}{'optimizer':>11}{'activations':>13}"
+        f"{'buffers':>11}{'total':>11}",
+    ]
+    for m in p.memory:
+        mark = "  <- this run" if (m.mode, m.precision) == (chosen_mode, c.train.precision) else ""
+        acts = _size(m.activations) if m.activations is not None else "?"
+        lines.append(f"  {m.mode + ' ' + m.precision:14}{_size(m.params):>11}{_size(m.grads):>11}"
+                     f"{_size(m.optimizer):>11}{acts:>13}{_size(m.buffers):>11}"
+                     f"{_size(m.total):>11}{mark}")
+    ddp, fsdp = p.memory_for("ddp", "fp32"), p.memory_for("fsdp", "fp32")
+    lines += [
+        f"  state (params + grads + optimizer): ddp {ddp.state} bytes, fsdp {fsdp.state} bytes "
+        f"(unsharded {p.state_bytes_unsharded}); the run logs these as state_bytes",
+        f"  a rank has {_size(p.device_bytes)} on {p.device}",
+    ]
+    if p.activation_note:
+        lines.append(f"  {p.activation_note}")
+    lines += ["", "communication per optimizer step per rank"]
+    if p.world_size == 1:
+        lines.append("  none: a single rank")
+    else:
+        lines.append(f"  ddp   all-reduce of fp32 gradients: {_size(p.comm_bytes['ddp'])}")
+        lines.append(f"  fsdp  all-gather of parameters ({c.train.precision}) + reduce-scatter of "
+                     f"fp32 gradients: {_size(p.comm_bytes['fsdp'])}")
+    for warning in p.warnings:
+        lines.append(f"WARNING: {warning}")
+    lines += ["", "resolved config:", *("  " + line for line in dump(cfg).splitlines())]
+    return "\n".join(lines)
