@@ -148,7 +148,3 @@ def alternate(rounds: int, *measures: Callable[[int], float]) -> list[list[float
         for results_of, measure in zip(results, measures):
             results_of.append(measure(i))
     return results
-
-
-def peak_rss_self() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -78,6 +78,28 @@ class ImageDataset(Dataset):
             image = augment(image, sample_random(self.augment_seed, epoch, index), self.size)
         return (image.float() - self.mean) * self.inv_std, self.labels[index]
 
+    def __getitems__(self, keys: list[SampleKey]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A whole batch at once (the DataLoader calls this instead of __getitem__ per key): the
+        same crops and flips as `augment`, stacked as uint8 and normalised in one operation,
+        which saves most of the per-sample tensor operations of the training process."""
+        pairs = [key if isinstance(key, tuple) else (0, key) for key in keys]
+        index = torch.tensor([i for _, i in pairs], dtype=torch.long)
+        if self.augment_seed is None:
+            images = self.images[index]
+        else:
+            span = self.images.shape[-1] - self.size + 1
+            bits = [sample_random(self.augment_seed, epoch, i) for epoch, i in pairs]
+            top = torch.tensor([b % span for b in bits])
+            left = torch.tensor([(b >> 16) % span for b in bits])
+            flip = torch.tensor([bool((b >> 32) & 1) for b in bits]).view(-1, 1, 1, 1)
+            # Every crop of every image as a view (N, C, span, span, size, size): one indexing
+            # operation then copies out the batch's crops.
+            windows = self.images.unfold(2, self.size, 1).unfold(3, self.size, 1)
+            images = windows[index, :, top, left]
+            images = torch.where(flip, images.flip(-1), images)
+        normalised = images.float().sub_(self.mean).mul_(self.inv_std)  # the same two roundings
+        return list(zip(normalised.unbind(0), self.labels[index].unbind(0)))
+
 
 class IndexOnly(Dataset):
     """A user's dataset behind keyed sampling: passes the index on and ignores the epoch."""

@@ -6,6 +6,7 @@ resume -> Trainer.fit() -> records -> dist.shutdown()
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import fields
@@ -128,9 +129,8 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str
 
     overfit = cfg.train.overfit_batches
     data_cfg = cfg.data
-    if overfit and data_cfg.augment:
-        data_cfg = type(data_cfg)(**{f.name: getattr(data_cfg, f.name) for f in fields(data_cfg)})
-        data_cfg.augment = False  # overfitting a fixed set of batches: the same images each time
+    if overfit:  # overfitting a fixed set of batches: the same images every time
+        data_cfg = dataclasses.replace(data_cfg, augment=False)
     datasets = data.build(data_cfg, cfg.run.seed)
     loaders = data.loaders(datasets, data_cfg, cfg.run.seed, rank, world, runtime.device, overfit)
     if overfit:
