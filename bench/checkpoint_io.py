@@ -57,7 +57,9 @@ def _timed(fn) -> float:
 
 def run(work: Path, rounds: int = 5) -> list[Figure]:
     import torch
-    cfg, model, optimizer, ours, state = _setup(work, asynchronous=False)
+    torch.set_num_threads(1)  # as in the training processes of the other benchmarks
+    os.sync()  # earlier writes (other benchmarks') must not be flushed during the timed saves
+    _, model, optimizer, ours, state = _setup(work, asynchronous=False)
     _, _, _, background, async_state = _setup(work, asynchronous=True)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values()

@@ -339,8 +339,73 @@ def _fsdp_shards(cfg: Config, world: int) -> int:
     return world // replicas
 
 
-def _param_bytes(modules: list[nn.Module], itemsize: Optional[int] = None) -> int:
-    return sum(p.numel() * (itemsize or p.element_size()) for m in modules for p in m.parameters())
+def _param_bytes(modules: list[nn.Module]) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def _steps(cfg: Config, shapes: data.Datasets, world: int) -> tuple[int, int]:
+    """Optimizer steps per epoch and in total, counted by the run's own loaders and sampler."""
+    train_loader = data.loaders(shapes, cfg.data, cfg.run.seed, 0, world, torch.device("cpu"),
+                                cfg.train.overfit_batches)[0]
+    per_epoch = len(train_loader) // cfg.train.grad_accum
+    if per_epoch < 1:
+        raise UserError(f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
+                        f"than train.grad_accum={cfg.train.grad_accum}; lower one of them")
+    total = cfg.train.epochs * per_epoch
+    return per_epoch, min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def _activations(model: nn.Module, cfg: Config, shape: tuple[int, int, int], low: str
+                 ) -> tuple[dict[tuple[str, str], Optional[int]], str]:
+    """Activation bytes per (mode, precision), and a note when the forward cannot be traced."""
+    try:
+        traced: dict[str, Optional[int]] = dict(activation_bytes(
+            model, cfg, shape, torch.float16 if low == "fp16" else torch.bfloat16))
+        note = ""
+    except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
+        traced = {"fp32": None, "autocast": None, "cast": None}
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        note = f"activations not estimated: the forward could not be traced ({first[:120]})"
+    return {("ddp", "fp32"): traced["fp32"], ("fsdp", "fp32"): traced["fp32"],
+            ("ddp", low): traced["autocast"], ("fsdp", low): traced["cast"]}, note
+
+
+def _communication(cfg: Config, world: int, shards: int, trainable: int, root: int,
+                   blocks: int) -> dict[str, int]:
+    """Bytes each rank sends per optimizer step with ring collectives: DDP all-reduces the fp32
+    gradients once; FSDP all-gathers parameters in the compute precision for every micro-batch's
+    forward (and again for its backward when it reshards after forward) and reduce-scatters the
+    fp32 gradients once; HSDP adds an all-reduce of the shards across replicas."""
+    comm = {"ddp": 0, "fsdp": 0}
+    if world == 1:
+        return comm
+    comm["ddp"] = int(2 * (world - 1) / world * trainable)
+    if shards > 1:
+        itemsize = 4 if cfg.train.precision == "fp32" else 2
+        gathered = root + blocks * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
+        comm["fsdp"] = int((shards - 1) / shards * (cfg.train.grad_accum * gathered * itemsize // 4
+                                                    + trainable))
+    replicas = world // shards
+    if replicas > 1:
+        comm["fsdp"] += int(2 * (replicas - 1) / replicas * trainable / shards)
+    return comm
+
+
+def _too_big(plan: "Plan") -> Optional[str]:
+    cfg = plan.cfg
+    chosen = plan.memory_for(_mode(cfg))
+    if chosen.total <= plan.device_bytes:
+        return None
+    other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
+    hint = f"; {other.mode} would need {_size(other.total)}" if other.total < chosen.total else ""
+    options = [o for o, applies in (
+        ("parallel.mode=fsdp", chosen.mode != "fsdp" and plan.world_size > 1),
+        ("train.precision=bf16", cfg.train.precision == "fp32"),
+        ("model.activation_checkpointing=true", not cfg.model.activation_checkpointing),
+        ("a smaller data.batch_size", True)) if applies]
+    return (f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
+            f"{_size(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
+            f"{', '.join(options)}")
 
 
 def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
@@ -360,89 +425,52 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
     backend = pick_backend(cfg.dist.backend, torch.device(device.split()[0])) if world > 1 else None
 
     shapes = _dataset_shapes(cfg)
-    overfit = cfg.train.overfit_batches
-    train_loader = data.loaders(shapes, cfg.data, cfg.run.seed, 0, world, torch.device("cpu"),
-                                overfit)[0]
-    steps_per_epoch = len(train_loader) // cfg.train.grad_accum
-    if steps_per_epoch < 1:
-        raise UserError(f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
-                        f"than train.grad_accum={cfg.train.grad_accum}; lower one of them")
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    steps_per_epoch, total_steps = _steps(cfg, shapes, world)
     shape = (shapes.in_channels, shapes.image_size, shapes.image_size)
 
     model = _build_meta_model(cfg, shapes)
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
     blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
     shards = _fsdp_shards(cfg, world)
-    ddp_state = state_bytes(model, cfg, 1)
-    fsdp_state = state_bytes(model, cfg, shards)
-    num_params = sum(p.numel() for p in model.parameters())
-    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
+    ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
-    note = ""
-    try:
-        traced: dict[str, Optional[int]] = dict(activation_bytes(
-            model, cfg, shape, torch.float16 if low == "fp16" else torch.bfloat16))
-    except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
-        traced = {"fp32": None, "autocast": None, "cast": None}
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        note = f"activations not estimated: the forward could not be traced ({first[:120]})"
-    activations = {("ddp", "fp32"): traced["fp32"], ("fsdp", "fp32"): traced["fp32"],
-                   ("ddp", low): traced["autocast"], ("fsdp", low): traced["cast"]}
+    activations, note = _activations(model, cfg, shape, low)
 
-    accum = cfg.train.grad_accum
     largest_block = max((_param_bytes([b]) for b in blocks), default=0)
-    block_param_bytes = _param_bytes(blocks)
-    root_bytes = _param_bytes([model]) - block_param_bytes
+    block_bytes = _param_bytes(blocks)
+    root_bytes = _param_bytes([model]) - block_bytes
     memory = []
     for precision in ("fp32", low):
         itemsize = 4 if precision == "fp32" else 2
-        ddp_buffers = trainable_bytes if world > 1 else 0  # DDP's gradient buckets
-        gathered = (root_bytes + 2 * largest_block) * itemsize // 4  # this block + the prefetched one
+        ddp_buffers = trainable if world > 1 else 0  # DDP's gradient buckets
         fsdp_buffers = 0
         if shards > 1:
+            # gathered: the root's parameters, this block's and the prefetched next one's;
             # unsharded gradients: one block's before its reduce-scatter, all of them while
             # accumulating without synchronisation
-            fsdp_buffers = gathered + (trainable_bytes if accum > 1 else largest_block)
+            gathered = (root_bytes + 2 * largest_block) * itemsize // 4
+            fsdp_buffers = gathered + (trainable if cfg.train.grad_accum > 1 else largest_block)
         for mode, state, buffers in (("ddp", ddp_state, ddp_buffers), ("fsdp", fsdp_state, fsdp_buffers)):
             memory.append(Memory(mode, precision, state["params"], state["grads"], state["optimizer"],
                                  activations[(mode, precision)], buffers))
 
-    # Bytes each rank sends per optimizer step with ring collectives.
-    comm = {"ddp": 0, "fsdp": 0}
-    if world > 1:
-        comm["ddp"] = int(2 * (world - 1) / world * trainable_bytes)
-        itemsize = 4 if cfg.train.precision == "fp32" else 2
-        if shards > 1:
-            gathers = root_bytes + block_param_bytes * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
-            comm["fsdp"] = int((shards - 1) / shards * (accum * gathers * itemsize // 4 + trainable_bytes))
-        replicas = world // shards
-        if replicas > 1:
-            comm["fsdp"] += int(2 * (replicas - 1) / replicas * trainable_bytes / shards)
-
     fmt = cfg.ckpt.format if cfg.ckpt.format != "auto" else (
         "sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
-    checkpoint_bytes = checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world)
     plan = Plan(cfg=cfg, world_size=world, nproc=nproc, nnodes=nnodes, device=device, backend=backend,
                 device_bytes=device_bytes, train_size=len(shapes.train), val_size=len(shapes.val),
                 sample_shape=shape, num_classes=cfg.model.num_classes or shapes.num_classes,
-                effective_batch=cfg.data.batch_size * world * accum,
-                steps_per_epoch=steps_per_epoch, total_steps=total_steps, num_params=num_params,
-                num_blocks=len(blocks), checkpoint_format=fmt, checkpoint_bytes=checkpoint_bytes,
+                effective_batch=cfg.data.batch_size * world * cfg.train.grad_accum,
+                steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                num_params=sum(p.numel() for p in model.parameters()), num_blocks=len(blocks),
+                checkpoint_format=fmt,
+                checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
                 checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best, memory=memory,
-                comm_bytes=comm, state_bytes_unsharded=ddp_state["unsharded"],
-                activation_note=note, warnings=warnings)
-    chosen = plan.memory_for(_mode(cfg))
-    if chosen.total > device_bytes:
-        other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
-        hint = (f"; {other.mode} would need {_size(other.total)}" if other.total < chosen.total else "")
-        plan.warnings.append(f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
-                             f"{_size(device_bytes)} a rank has on {device}{hint}; consider "
-                             f"parallel.mode=fsdp, train.precision=bf16, "
-                             f"model.activation_checkpointing=true or a smaller data.batch_size")
+                comm_bytes=_communication(cfg, world, shards, trainable, root_bytes, block_bytes),
+                state_bytes_unsharded=ddp_state["unsharded"], activation_note=note, warnings=warnings)
+    too_big = _too_big(plan)
+    if too_big:
+        plan.warnings.append(too_big)
     return plan
 
 
