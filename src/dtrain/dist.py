@@ -61,16 +61,32 @@ def init(env: Env, cfg: DistConfig) -> Runtime:
                         ("RANK", str(env.rank)), ("WORLD_SIZE", str(env.world_size)),
                         ("LOCAL_RANK", str(env.local_rank))):
         os.environ.setdefault(name, value)
+    init_timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
     torch_dist.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+        timeout=init_timeout,
         device_id=device if device.type == "cuda" else None,
+        **_store_of_this_attempt(env, init_timeout),
     )
     # The rendezvous may be slow (nodes starting at different times); the first collective
     # proves every rank arrived, after which the training timeout applies.
     barrier()
     _set_timeout(cfg.timeout_s)
     return Runtime(env=env, device=device, backend=backend)
+
+
+def _store_of_this_attempt(env: Env, timeout: datetime.timedelta) -> dict[str, Any]:
+    """torchrun keeps one rendezvous store for all restarts of a job, and the process group's
+    keys (each rank's address) carry no attempt number: after `--max-restarts` a worker can read
+    the address of a dead worker of the previous attempt and fail to connect. Keys under a prefix
+    of their own per attempt avoid that. Elsewhere env:// is used as it is."""
+    if env.launcher != "torchrun":
+        return {}
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch_dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                                is_master=env.rank == 0 and not agent_hosts_store, timeout=timeout)
+    prefixed = torch_dist.PrefixStore(f"dtrain/attempt_{env.restart_count}", store)
+    return {"store": prefixed, "rank": env.rank, "world_size": env.world_size}
 
 
 def _die_with_agent() -> None:
