@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -148,3 +149,10 @@ def alternate(rounds: int, *measures: Callable[[int], float]) -> list[list[float
         for results_of, measure in zip(results, measures):
             results_of.append(measure(i))
     return results
+
+
+def run_standalone(run: Callable[[Path], list]) -> None:
+    """`python bench/<name>.py`: one benchmark's figures, measured in a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
+        for figure in run(Path(tmp)):
+            print(figure.line(), flush=True)

@@ -7,7 +7,6 @@ window (warm-up) is left out and the median of the others is reported.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -33,6 +32,4 @@ def run(work: Path, rounds: int = 1) -> list[Figure]:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
-        for figure in run(Path(tmp)):
-            print(figure.line(), flush=True)
+    common.run_standalone(run)

@@ -10,7 +10,6 @@ itself takes in every process.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -59,6 +58,4 @@ def run(work: Path, rounds: int = 2) -> list[Figure]:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
-        for figure in run(Path(tmp)):
-            print(figure.line(), flush=True)
+    common.run_standalone(run)

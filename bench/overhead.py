@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +118,4 @@ def run(work: Path, rounds: int = 3) -> list[Figure]:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
-        for figure in run(Path(tmp)):
-            print(figure.line(), flush=True)
+    common.run_standalone(run)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +52,4 @@ def run(work: Path, rounds: int = 5) -> list[Figure]:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
-        for figure in run(Path(tmp)):
-            print(figure.line(), flush=True)
+    common.run_standalone(run)

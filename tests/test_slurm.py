@@ -231,6 +231,18 @@ def test_sbatch_two_tasks_matches_torchrun(reference: Result, tmp_path: Path) ->
     assert_same_run(out_dir / "sbatch", reference)
 
 
+def preempt_and_finish(job, run_dir: Path) -> str:
+    """Send the time-limit warning to the batch shell mid-run; the job must checkpoint, requeue
+    itself once and complete. Returns the job's output."""
+    job.wait_for_step(run_dir, 5)
+    job.signal_batch_shell("USR1")
+    fields = job.wait_end()
+    output = job.output()
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        output[-4000:]
+    return output
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 @needs_cluster
@@ -241,12 +253,7 @@ def test_preempted_job_checkpoints_requeues_itself_and_resumes_exactly(
     job = submit("slurm/train.sbatch", tmp_path, ["--ntasks-per-node=2"],
                  [*JOB, PACED, "log.tensorboard=true", "run.name=null", f"run.out_dir={out_dir}"])
     run_dir = out_dir / f"job_{job.id}"
-    job.wait_for_step(run_dir, 5)
-    job.signal_batch_shell("USR1")
-    fields = job.wait_end()
-    output = job.output()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        output[-4000:]
+    output = preempt_and_finish(job, run_dir)
 
     stopped = re.search(r"stop requested \(SIGUSR1\) at step (\d+)", output)
     assert stopped, output[-4000:]
@@ -307,12 +314,7 @@ def test_torchrun_sbatch_two_agents_preempted_and_resumed(reference: Result, tmp
                  [*JOB, PACED, "run.name=null", f"run.out_dir={out_dir}"],
                  env={"NPROC_PER_NODE": "1"})
     run_dir = out_dir / f"job_{job.id}"
-    job.wait_for_step(run_dir, 5)
-    job.signal_batch_shell("USR1")
-    fields = job.wait_end()
-    output = job.output()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        output[-4000:]
+    output = preempt_and_finish(job, run_dir)
     assert re.search(rf"job {job.id} \(restart 0\) on \S+: 2 torchrun agent\(s\) x 1 rank\(s\), "
                      rf"rendezvous \S+:{port_for_job(job.id)}", output)
     assert "torchrun: 2 node(s) x 1 rank(s) = world size 2" in output

@@ -173,6 +173,21 @@ def verify_files(path: str, marker: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def open_checkpoint(path: str) -> tuple[str, str]:
+    """The folder and format of the checkpoint at `path` (its folder, or a bare checkpoint.pt),
+    after checking that its save completed and that every file it lists has its size."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    marker = read_marker(folder)
+    if marker is None:
+        if os.path.isdir(path):
+            raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
+        return folder, "full"
+    wrong = verify_files(folder, marker)
+    if wrong:
+        raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
+    return folder, marker["format"]
+
+
 def load_file(path: str) -> dict[str, Any]:
     """torch.load with weights_only=True and errors a user can act on."""
     try:
@@ -392,17 +407,8 @@ class Checkpointer:
         return problem
 
     def _load(self, path: str) -> None:
-        if os.path.isfile(path):  # a bare checkpoint.pt
-            marker, folder = {"format": "full"}, os.path.dirname(path)
-        else:
-            folder = path
-            marker = read_marker(folder)
-            if marker is None:
-                raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
-            wrong = verify_files(folder, marker)
-            if wrong:
-                raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
-        if marker["format"] == "full":
+        folder, fmt = open_checkpoint(path)
+        if fmt == "full":
             data = load_file(os.path.join(folder, FULL_FILE))
             meta = data
             options = StateDictOptions(full_state_dict=True)

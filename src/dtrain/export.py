@@ -24,15 +24,8 @@ TOLERANCE = 1e-5
 def load_model(path: str) -> tuple[nn.Module, dict]:
     """The model of the checkpoint at `path` (a checkpoint directory or its checkpoint.pt), in
     eval mode on the CPU, and the checkpoint's metadata."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    marker = checkpoint.read_marker(folder) if os.path.isdir(folder) else None
-    if os.path.isdir(path) and marker is None:
-        raise UserError(f"checkpoint error: {path} has no {checkpoint.MARKER} marker (incomplete save)")
-    if marker:
-        wrong = checkpoint.verify_files(folder, marker)
-        if wrong:
-            raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
-    sharded = marker is not None and marker["format"] == "sharded"
+    folder, fmt = checkpoint.open_checkpoint(path)
+    sharded = fmt == "sharded"
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
     meta = checkpoint.load_file(path if os.path.isfile(path) else meta_path)
     cfg = config.from_dict(meta["config"])

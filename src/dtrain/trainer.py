@@ -159,12 +159,15 @@ class Trainer:
         grad_norm = self._clip_gradients()
         # One all-reduce per step carries the loss and the two decisions every rank must share:
         # whether the step is non-finite somewhere, and whether any rank got a stop signal.
-        nonfinite = not torch.isfinite(loss_sum).item() or (
-            grad_norm is not None and self.scaler is None and not math.isfinite(grad_norm))
-        shared = torch.tensor([loss_sum.item(), float(nonfinite), float(signals.received() is not None)],
-                              dtype=torch.float64, device=self.device)
+        # Built on the device, so that the step waits for the device only once (at tolist).
+        grad_nonfinite = grad_norm is not None and self.scaler is None and not math.isfinite(grad_norm)
+        flags = torch.tensor([float(grad_nonfinite), float(signals.received() is not None)],
+                             dtype=torch.float64, device=self.device)
+        loss64 = loss_sum.double().view(1)
+        shared = torch.cat([loss64, (~torch.isfinite(loss64)).double(), flags])
         dist.all_reduce_sum(shared)
-        loss_value, any_nonfinite, any_stop = shared.tolist()
+        loss_value, loss_nonfinite, any_grad_nonfinite, any_stop = shared.tolist()
+        any_nonfinite = loss_nonfinite + any_grad_nonfinite
         if grad_norm is None and (self.state.step + 1) % cfg.train.log_every == 0:
             grad_norm = self._measure_grad_norm()  # for the log only: decisions stay as they were
         skipped = self._step_or_skip(any_nonfinite > 0)
