@@ -43,7 +43,7 @@ def _setup(work: Path, asynchronous: bool):
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     info = {"num_classes": shapes.num_classes, "in_channels": shapes.in_channels,
             "image_size": shapes.image_size}
-    checkpointer = checkpoint.Checkpointer(cfg, run_dir, model, optimizer, lambda: {},
+    checkpointer = checkpoint.Checkpointer(cfg, checkpoint.Store(run_dir), model, optimizer, lambda: {},
                                            lambda extra: None, torch.device("cpu"), False, info)
     return cfg, model, optimizer, checkpointer, TrainState()
 

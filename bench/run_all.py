@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_io  # noqa: E402
+import exit_codes  # noqa: E402
 import input_pipeline  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
@@ -28,7 +29,9 @@ import startup  # noqa: E402
 from common import Figure  # noqa: E402
 
 BENCHMARKS = {"overhead": overhead, "memory": memory, "checkpoint": checkpoint_io,
-              "startup": startup, "pipeline": input_pipeline}
+              "startup": startup, "pipeline": input_pipeline, "exit_codes": exit_codes}
+# Run on request only (--only exit_codes): 40 launches, several minutes.
+DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
 
 
 def _machine() -> str:
@@ -40,7 +43,7 @@ def _machine() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(BENCHMARKS),
+    parser.add_argument("--only", default=",".join(DEFAULT),
                         help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     parser.add_argument("--rounds", type=int, default=None,
                         help="alternated repetitions per comparison (default: each benchmark's own)")

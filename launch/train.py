@@ -12,7 +12,7 @@ try:
 except ImportError:  # a checkout that was not pip-installed: use its src/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from dtrain.cli import main  # noqa: E402
+from dtrain.cli import entry  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    entry(["train", *sys.argv[1:]])

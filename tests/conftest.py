@@ -17,6 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 TESTS = str(REPO / "tests")
+# In-process imports of dtrain test this checkout too, not wherever dtrain was pip-installed from.
+sys.path.insert(0, str(REPO / "src"))
 
 # A small, fast job: tiny CNN, small synthetic set, log every step.
 TINY = [

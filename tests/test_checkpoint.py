@@ -158,7 +158,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(finished, tmp_path, da
     else:
         (newest / "COMPLETE").unlink()
     result = launch(run_dir, ["train.max_steps=16", "ckpt.every_steps=4", "train.eval_every_steps=8",
-                              "ckpt.keep_last=5"])
+                              "ckpt.keep_last=5", "ckpt.resume_config_change=allow"])
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "log.txt").read_text()
     if damage == "no_marker":
@@ -258,7 +258,8 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, before, afte
     assert a.returncode == 0, a.stderr[-3000:]
     assert (latest(run_dir) / "dcp").is_dir()
     steps_left = (512 - 8 * 16 * before) // (16 * after)
-    b = launch(run_dir, common, nproc=after, env={"SERVED_DIR": str(second)})
+    b = launch(run_dir, [*common, "ckpt.resume_config_change=allow"], nproc=after,
+               env={"SERVED_DIR": str(second)})
     assert b.returncode == 0, b.stderr[-3000:]
     log = (run_dir / "log.txt").read_text()
     assert f"world size changed from {before} to {after}" in log

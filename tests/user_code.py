@@ -112,3 +112,27 @@ def empty_data(cfg):
     empty = ImageDataset(images[:0], labels[:0], *norm)
     empty.num_classes, empty.sample_shape = 10, (3, 32, 32)
     return empty, ImageDataset(images, labels, *norm)
+
+
+class InfGradCNN(SimpleCNN):
+    """SimpleCNN whose loss stays finite while its gradients become infinite at one training
+    forward call (on every rank, or on `on_rank`): a backward hook scales the output's gradient
+    by inf, as an overflowing custom backward would."""
+
+    def __init__(self, at_call: int, on_rank: int = -1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_call, self.calls = at_call, 0
+        self.armed = on_rank < 0 or int(os.environ.get("RANK", "0")) == on_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.training:
+            self.calls += 1
+            if self.armed and self.calls == self.at_call:
+                out.register_hook(lambda grad: grad * float("inf"))
+        return out
+
+
+def inf_grad_cnn(cfg) -> nn.Module:
+    args = dict(cfg.args)
+    return InfGradCNN(num_classes=10, in_channels=3, **args)

@@ -7,8 +7,10 @@ line, no traceback), 1 any other failure.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import traceback
 from typing import Callable, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -19,7 +21,7 @@ from dtrain import config
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
     cfg = config.load(args.config, args.overrides)
-    run.train(cfg)
+    run.train(cfg, args.config)
     return 0
 
 
@@ -103,5 +105,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         return e.exit_code
 
 
-def entry() -> None:
-    sys.exit(main())
+def entry(argv: Optional[list[str]] = None) -> None:
+    """Run the command and leave with its exit code, skipping the interpreter's teardown.
+
+    After a complete run, a native destructor of torch's process-group code sometimes aborts the
+    process at interpreter exit ("terminate called without an active exception", SIGABRT), which
+    would mark a finished run (and its SLURM job) as failed. Everything a run owns is closed
+    explicitly before `main` returns (checkpoint thread, loaders, records, process group), so
+    dtrain flushes what is buffered and ends with os._exit, where no such destructor runs."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:  # noqa: BLE001 - a bug: show it as Python would, then exit 1
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -69,6 +69,7 @@ class FSDPConfig:
 @dataclass
 class ParallelConfig:
     mode: str = _opt("ddp", choices=("ddp", "fsdp", "none"))
+    sync_batchnorm: bool = _opt(False, doc="BatchNorm statistics over all ranks' batches")
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -153,6 +154,8 @@ class CkptConfig:
     monitor: str = _opt("val_acc")
     monitor_mode: str = _opt("max", choices=("max", "min"))
     resume: str = _opt("auto", doc="auto | none | PATH")
+    resume_config_change: str = _opt("refuse", choices=("refuse", "allow"),
+                                     doc="resuming with a config that trains something else")
     format: str = _opt("auto", choices=("auto", "full", "sharded"))
     async_: bool = _opt(False)
 
@@ -342,6 +345,12 @@ def _cross_checks(cfg: Config) -> None:
     name = cfg.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name):
         raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
+    reported = ("val_loss", "val_acc")
+    if cfg.ckpt.monitor not in reported:
+        close = difflib.get_close_matches(cfg.ckpt.monitor, reported, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is not a reported "
+                        f"metric; use one of {', '.join(reported)}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +438,29 @@ def from_dict(data: dict) -> Config:
 
 def dump(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# Keys that do not change what a run trains: where it runs and writes, how it logs, checkpoints
+# and communicates, and how fast its data loads. A resumed run may change them freely; any other
+# change needs ckpt.resume_config_change=allow.
+NOT_TRAINING = ("run.name", "run.out_dir", "run.private", "log.", "ckpt.", "dist.", "slurm.",
+                "data.num_workers", "data.persistent_workers")
+
+
+def is_training_key(key: str) -> bool:
+    return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_TRAINING)
+
+
+def training_part(data: dict) -> dict[str, Any]:
+    """The flattened config without the keys of NOT_TRAINING."""
+    return {k: v for k, v in flatten(data).items() if is_training_key(k)}
+
+
+def training_differences(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every training key that both configs have and that differs."""
+    a, b = training_part(saved), training_part(current)
+    return [f"{key}: {a[key]!r} -> {b[key]!r}" for key in sorted(a.keys() & b.keys())
+            if a[key] != b[key]]
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:

@@ -7,7 +7,6 @@ a sampler that can start part-way through an epoch, that makes a mid-epoch resum
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import random
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from dtrain import synthetic
 from dtrain.config import DataConfig
 from dtrain.errors import UserError
+from dtrain.imports import load_callable
 
 SampleKey = Union[int, tuple[int, int]]  # an index, or (epoch, index) for a training sample
 _MASK64 = (1 << 64) - 1
@@ -218,19 +218,6 @@ def _imagefolder(cfg: DataConfig) -> tuple:
             (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 
-def load_callable(spec: str, what: str) -> Callable:
-    """'package.module:function' -> the function, with a clear error when it is not there."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"config error: {what}: cannot import '{module_name}' ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"config error: {what}: '{module_name}' has no callable '{attr}'")
-    return fn
-
-
 def _user_datasets(cfg: DataConfig) -> Datasets:
     result = load_callable(cfg.name, "data.name")(cfg)
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -322,6 +309,15 @@ def _seed_worker(worker_id: int) -> None:
     seed = torch.utils.data.get_worker_info().seed % 2**32
     random.seed(seed)
     numpy.random.seed(seed)
+
+
+def close_loaders(loaders: tuple) -> None:
+    """Stop the persistent worker processes of the loaders now: the launcher leaves with
+    os._exit, which skips the interpreter's clean-up that would otherwise stop them."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def loaders(datasets: Datasets, cfg: DataConfig, seed: int, rank: int, world_size: int,

@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -20,6 +20,8 @@ import torch.distributed as torch_dist
 from dtrain.config import DistConfig
 from dtrain.env import Env, device_index
 from dtrain.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,9 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
     if is_distributed():
-        torch_dist.barrier()
+        torch_dist.barrier(group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,9 +159,12 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
+def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
     """True on every rank when `flag` is true on any rank: the way ranks agree on a decision."""
-    return bool(all_reduce_max(torch.tensor([float(flag)], device=device)).item())
+    value = torch.tensor([float(flag)], device=device)
+    if is_distributed():
+        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -169,6 +174,22 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     torch_dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 alone and give every rank its result, or its UserError: one rank looks
+    at shared files and decides, and every rank acts on the same decision."""
+    result: Any = None
+    error: Optional[UserError] = None
+    if is_main():
+        try:
+            result = fn()
+        except UserError as e:
+            error = e
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
 
 
 _COLLECTIVE_FAILURE_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset",
@@ -202,10 +223,10 @@ def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> Optional[list[int]]:
         return None
 
 
-def gather_objects(obj: Any) -> list[Any]:
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * world_size()
-    torch_dist.all_gather_object(out, obj)
+    torch_dist.all_gather_object(out, obj, group=group)
     return out

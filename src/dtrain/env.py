@@ -6,6 +6,7 @@ process is a single run that never creates a process group. Nothing here starts 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -157,9 +158,13 @@ def device_index(env: Env, visible_gpus: int) -> int:
 
 
 def port_for_job(job_id: str) -> int:
-    """A rendezvous port derived from the job id, so that jobs sharing a node do not collide."""
-    digits = re.sub(r"\D", "", job_id) or "0"
-    return 15000 + int(digits[-4:]) % 20000
+    """A rendezvous port derived from the whole job id, so that jobs sharing a first node do not
+    meet: any two jobs whose ids are less than 20000 apart get different ports (the last four
+    digits alone gave jobs 10000 apart the same one). An id that is not a number is hashed."""
+    text = job_id.strip()
+    number = int(text) if text.isdigit() else \
+        int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    return 15000 + number % 20000
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -11,10 +11,10 @@ import os
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dtrain import checkpoint, config, models
+from dtrain.checkpoint.state import read_sharded
 from dtrain.data import Datasets
 from dtrain.errors import UserError
 
@@ -33,7 +33,7 @@ def load_model(path: str) -> tuple[nn.Module, dict]:
     model = models.build(cfg.model, Datasets(train=None, val=None, **info), cfg.run.seed)
     if sharded:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=os.path.join(folder, checkpoint.DCP_DIR))
+        read_sharded(folder, state)
         weights = state["model"]
     else:
         weights = meta["model"]

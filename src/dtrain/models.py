@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from dtrain.config import ModelConfig
-from dtrain.data import Datasets, load_callable
+from dtrain.data import Datasets
+from dtrain.imports import load_callable
 from dtrain.errors import UserError
 
 

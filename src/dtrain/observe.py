@@ -173,7 +173,8 @@ def format_record(record: dict[str, Any]) -> str:
 class RunLog:
     """The run's records. Every method is a no-op except on rank 0 (logging aside)."""
 
-    def __init__(self, cfg: Config, run_dir: str, is_main: bool, resumed_step: int) -> None:
+    def __init__(self, cfg: Config, run_dir: str, is_main: bool, resumed_step: int,
+                 superseded: Optional[str] = None) -> None:
         self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
         self.metrics: Optional[TextIO] = None
         self.writer = None
@@ -181,7 +182,7 @@ class RunLog:
         if not is_main:
             return
         path = os.path.join(run_dir, "metrics.jsonl")
-        _drop_records_after(path, resumed_step)
+        _drop_records_after(path, resumed_step, superseded)
         self.metrics = open(path, "a", encoding="utf-8")
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -244,19 +245,23 @@ class RunLog:
             self.writer = None
 
 
-def _drop_records_after(path: str, step: int) -> None:
-    """Keep only records up to `step` (all of them for a fresh start with step 0 and no file)."""
+def _drop_records_after(path: str, step: int, superseded: Optional[str] = None) -> None:
+    """Keep only records up to `step` (all of them for a fresh start with step 0 and no file).
+    The dropped records go to `superseded/<time>/metrics.jsonl` when a rewind moved checkpoints
+    there, so that nothing of the abandoned history is lost."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = []
+    kept, dropped = [], []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
+            (kept if json.loads(line)["step"] <= step else dropped).append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a crash mid-write
+    if dropped and superseded is not None:
+        with open(os.path.join(superseded, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.writelines(dropped)
     if len(kept) != len(lines):
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

@@ -74,9 +74,13 @@ class LRSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         return {"plateau_scale": self.plateau_scale, "plateau_best": self.plateau_best,
-                "plateau_bad_evals": self.plateau_bad_evals}
+                "plateau_bad_evals": self.plateau_bad_evals, "total_steps": self.total_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The schedule continues as it started: its length was fixed when the run started, so
+        resuming on another number of ranks (other steps per epoch) does not bend the curve."""
         self.plateau_scale = float(state["plateau_scale"])
         self.plateau_best = state["plateau_best"]
         self.plateau_bad_evals = int(state["plateau_bad_evals"])
+        if "total_steps" in state:
+            self.total_steps = int(state["total_steps"])

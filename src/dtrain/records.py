@@ -25,8 +25,8 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from dtrain import checkpoint
-from dtrain.config import Config, to_dict
+from dtrain.checkpoint.store import LATEST, CHECKPOINTS, Store
+from dtrain.config import Config, to_dict, training_part
 from dtrain.errors import UserError
 from dtrain.observe import log
 
@@ -44,9 +44,9 @@ SHOWN = (("name", "run"), ("status", "status"), ("started", "started"), ("wall_t
 
 
 def config_hash(cfg: Config) -> str:
-    """Equal for runs that train the same thing: the resolved config without its name and place."""
-    data = to_dict(cfg)
-    data["run"] = {k: v for k, v in data["run"].items() if k not in ("name", "out_dir")}
+    """Equal for runs that train the same thing: the resolved config without the keys that do
+    not change what is trained (config.NOT_TRAINING: name, place, logging, checkpoints, ...)."""
+    data = training_part(to_dict(cfg))
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -65,20 +65,11 @@ def git_commit(cwd: str) -> str:
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
-def best_checkpoint(ckpt_dir: str, monitor: str, mode: str) -> str:
-    """The complete checkpoint with the best `monitor` value in its name, as an absolute path
-    (the table may be read from another directory); '' when none has one."""
-    scored = []
-    if os.path.isdir(ckpt_dir):
-        for name in os.listdir(ckpt_dir):
-            parsed = checkpoint.parse_name(name)
-            if (parsed and parsed[2] == monitor and parsed[3] is not None
-                    and checkpoint.read_marker(os.path.join(ckpt_dir, name)) is not None):
-                scored.append((parsed[3], name))
-    if not scored:
-        return ""
-    pick = max if mode == "max" else min
-    return os.path.abspath(os.path.join(ckpt_dir, pick(scored)[1]))
+def best_checkpoint(run_dir: str, monitor: str, mode: str) -> str:
+    """The complete checkpoint with the best `monitor` value, as an absolute path (the table may
+    be read from another directory); '' when none has one."""
+    best = Store(run_dir).best(monitor, mode)
+    return os.path.abspath(best.path) if best is not None else ""
 
 
 class RunRecord:
@@ -99,7 +90,7 @@ class RunRecord:
             return
         cfg = self.cfg
         resuming = cfg.ckpt.resume != "none" and os.path.exists(
-            os.path.join(run_dir, "checkpoints", "latest"))
+            os.path.join(run_dir, CHECKPOINTS, LATEST))
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         row = {
             "name": cfg.run.name, "status": "running", "started": now, "wall_time_s": "0",
@@ -135,8 +126,7 @@ class RunRecord:
             return
         ckpt = self.cfg.ckpt
         fields = {"status": status, "step": str(state.step),
-                  "best_checkpoint": best_checkpoint(os.path.join(self.run_dir, "checkpoints"),
-                                                     ckpt.monitor, ckpt.monitor_mode)}
+                  "best_checkpoint": best_checkpoint(self.run_dir, ckpt.monitor, ckpt.monitor_mode)}
         if state.best_metric is not None:
             fields["best_metric"] = f"{state.best_metric:.6g}"
         self._write(fields)

@@ -1,33 +1,41 @@
 """`dtrain train`: put the pieces together in the order of DESIGN.md's flow, and take them apart.
 
-config -> env -> dist -> run directory -> data -> model -> parallel -> optimizer -> checkpoint
-resume -> Trainer.fit() -> records -> dist.shutdown()
+config -> env -> dist -> run directory (lock, shared storage) -> data -> model -> parallel ->
+optimizer -> checkpoint resume -> Trainer.fit() -> records -> (requeue) -> dist.shutdown()
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import random
 from dataclasses import fields
 from typing import Any, Optional
 
-import numpy
 import torch
 from torch import nn
 
 from dtrain import (checkpoint, data, dist, env as env_mod, models, optim, parallel, profiling,
                     records, signals, slurm)
+from dtrain.checkpoint.state import reseed
+from dtrain.checkpoint.store import RunDirLock, Store, check_shared
 from dtrain.config import Config, dump
 from dtrain.errors import PeerFailure, UserError
 from dtrain.observe import RunLog, log, setup_logging
 from dtrain.trainer import Trainer, TrainState
 
 
-def resolve_run_name(cfg: Config, env: env_mod.Env) -> None:
-    """Unnamed runs under SLURM take the job id, so that a requeued job finds its run again."""
-    if cfg.run.name is None:
-        cfg.run.name = f"job_{env.slurm_job_id}" if env.slurm_job_id else "default"
+def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: Optional[str] = None) -> None:
+    """An unnamed run is named after its SLURM job (`job_<id>`: a requeued job finds its run
+    again, and two jobs of one config never share a directory), else after its config file
+    (`configs/default.yaml` -> `default`), else `default`. The shipped configs name no run."""
+    if cfg.run.name is not None:
+        return
+    if env.slurm_job_id:
+        cfg.run.name = f"job_{env.slurm_job_id}"
+    elif config_path:
+        cfg.run.name = os.path.splitext(os.path.basename(config_path))[0] or "default"
+    else:
+        cfg.run.name = "default"
 
 
 def check_layout(cfg: Config, env: env_mod.Env) -> None:
@@ -39,8 +47,6 @@ def check_layout(cfg: Config, env: env_mod.Env) -> None:
 
 def prepare_run_dir(cfg: Config) -> str:
     run_dir = cfg.run_dir
-    if cfg.run.private:
-        os.umask(0o077)  # every directory 0700 and file 0600 that this process creates
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
@@ -53,10 +59,21 @@ def prepare_run_dir(cfg: Config) -> str:
     return run_dir
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    numpy.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
+    """Before anything is written: rank 0 creates the run directory and takes its lock (a second
+    launch on the same directory exits 2 naming the holder), and every rank checks that it sees
+    the same directory. The same UserError on every rank when something is wrong."""
+    if cfg.run.private:
+        os.umask(0o077)  # every directory 0700 and file 0600 that this process creates
+
+    def claim() -> None:
+        prepare_run_dir(cfg)
+        lock.acquire(env.slurm_job_id)
+
+    dist.on_main(claim)
+    os.makedirs(cfg.run_dir, exist_ok=True)  # ranks on other nodes, where it may not be shared
+    check_shared(cfg.run_dir)
+    return cfg.run_dir
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -95,37 +112,43 @@ def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[An
     return torch.amp.GradScaler(device.type, init_scale=cfg.train.loss_scale_init)
 
 
-def train(cfg: Config) -> str:
+def train(cfg: Config, config_path: Optional[str] = None) -> str:
     """Run training; returns 'finished' or 'preempted'. Raises UserError for bad input."""
     env = env_mod.detect()
-    resolve_run_name(cfg, env)
+    resolve_run_name(cfg, env, config_path)
     check_layout(cfg, env)
     runtime = dist.init(env, cfg.dist)
     signals.install()
+    lock = RunDirLock(cfg.run_dir)
     record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
     try:
+        claim_run_dir(cfg, lock, env)
         outcome = _train(cfg, runtime, record)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
+        # No rank leaves before rank 0 has published the last checkpoint and requeued: under
+        # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
+        dist.barrier()
         return outcome
     except BaseException as e:
         record.fail(e)
         raise
     finally:
         signals.uninstall()
+        lock.release()
         dist.shutdown()
 
 
 def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str:
     rank, world = dist.rank(), dist.world_size()
-    run_dir = prepare_run_dir(cfg)
+    run_dir = cfg.run_dir
     setup_logging(run_dir, rank, cfg.log.all_ranks)
     record.start(run_dir)
     if dist.is_main():
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(dump(cfg))
     _set_torch_flags(cfg)
-    seed_everything(cfg.run.seed)
+    reseed(cfg.run.seed)
 
     overfit = cfg.train.overfit_batches
     data_cfg = cfg.data
@@ -133,6 +156,15 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str
         data_cfg = dataclasses.replace(data_cfg, augment=False)
     datasets = data.build(data_cfg, cfg.run.seed)
     loaders = data.loaders(datasets, data_cfg, cfg.run.seed, rank, world, runtime.device, overfit)
+    try:
+        return _train_with(cfg, runtime, record, datasets, loaders)
+    finally:
+        data.close_loaders(loaders)
+
+
+def _train_with(cfg: Config, runtime: dist.Runtime, record: records.RunRecord,
+                datasets: data.Datasets, loaders: tuple) -> str:
+    rank, overfit, run_dir = dist.rank(), cfg.train.overfit_batches, cfg.run_dir
     if overfit:
         log.info(f"overfit check: the same {overfit} batch(es) per rank every epoch, augmentation "
                  f"off; the training loss should fall towards 0")
@@ -164,13 +196,14 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str
 
     model_info = {"num_classes": cfg.model.num_classes or datasets.num_classes,
                   "in_channels": datasets.in_channels, "image_size": datasets.image_size}
-    checkpoints = checkpoint.Checkpointer(cfg, run_dir, wrapped, optimizer, extra_state,
+    checkpoints = checkpoint.Checkpointer(cfg, Store(run_dir), wrapped, optimizer, extra_state,
                                           load_extra_state, runtime.device, is_fsdp, model_info)
     state = TrainState()
     resumed = checkpoints.resume()
     if resumed:
         state = TrainState(**{f.name: resumed[f.name] for f in fields(TrainState)})
-    run_log = RunLog(cfg, run_dir, dist.is_main(), state.step)
+        _reconcile_schedule(schedule, checkpoints.config_changes, total_steps)
+    run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     _banner(cfg, runtime, num_params, steps_per_epoch, run_dir, resumed)
     trainer = Trainer(cfg, wrapped, optimizer, schedule, scaler, loaders, runtime.device, is_fsdp,
                       run_log, checkpoints, state)
@@ -193,6 +226,19 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str
     record.update(state, outcome)
     log.info(f"{outcome} at step {state.step}: {run_dir}")
     return outcome
+
+
+# Changes that make the length of a run different from the one its schedule was made for.
+_SCHEDULE_KEYS = ("train.epochs", "train.max_steps", "data.batch_size", "train.grad_accum", "sched.")
+
+
+def _reconcile_schedule(schedule: optim.LRSchedule, changes: list[str], total_steps: int) -> None:
+    """A resumed schedule keeps the length it had when the run started (another world size does
+    not bend it), unless the user changed the run's length on purpose."""
+    if any(change.startswith(_SCHEDULE_KEYS) for change in changes):
+        log.info(f"the learning-rate schedule now spans {total_steps} steps "
+                 f"(was {schedule.total_steps}), following the changed config")
+        schedule.total_steps = max(1, total_steps)
 
 
 def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:

@@ -21,7 +21,7 @@ from dtrain.config import Config
 from dtrain.errors import TrainingStopped
 from dtrain.observe import RunLog, log, memory_stats
 from dtrain.optim import LRSchedule
-from dtrain.parallel import PRECISION_DTYPES
+from dtrain.parallel import PRECISION_DTYPES, average_buffers
 
 
 @dataclass
@@ -39,7 +39,7 @@ class TrainState:
 @dataclass
 class StepResult:
     loss: float  # mean over ranks and micro-batches
-    grad_norm: Optional[float]
+    grad_norm: float
     skipped: bool
     stop_signal: bool
     data_wait_s: float
@@ -136,7 +136,7 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------
     def _train_step(self, batches: Iterator) -> StepResult:
-        cfg, model = self.cfg, self.model
+        model = self.model
         started = time.perf_counter()
         model.train()
         self.schedule.apply(self.state.step)
@@ -156,22 +156,24 @@ class Trainer:
             else:
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = self._clip_gradients()
-        # One all-reduce per step carries the loss and the two decisions every rank must share:
-        # whether the step is non-finite somewhere, and whether any rank got a stop signal.
-        # Built on the device, so that the step waits for the device only once (at tolist).
-        grad_nonfinite = grad_norm is not None and self.scaler is None and not math.isfinite(grad_norm)
-        flags = torch.tensor([float(grad_nonfinite), float(signals.received() is not None)],
-                             dtype=torch.float64, device=self.device)
+        grad_norm = self._grad_norm()
+        # One all-reduce per step carries the loss and the decisions every rank must share:
+        # whether the step is non-finite (its gradients, on every step: a finite loss can still
+        # give inf/NaN gradients), and whether any rank got a stop signal. The gradient norm is
+        # already global (DDP averaged the gradients; FSDP's is reduced over the shards), so
+        # every rank reaches the same verdict.
+        grad_nonfinite = (~torch.isfinite(grad_norm)).double() if self.scaler is None \
+            else torch.zeros((), dtype=torch.float64, device=self.device)
+        flags = torch.tensor([float(signals.received() is not None)], dtype=torch.float64,
+                             device=self.device)
         loss64 = loss_sum.double().view(1)
-        shared = torch.cat([loss64, (~torch.isfinite(loss64)).double(), flags])
+        shared = torch.cat([loss64, (~torch.isfinite(loss64)).double(), grad_nonfinite.view(1),
+                            flags, grad_norm.double().view(1)])
         dist.all_reduce_sum(shared)
-        loss_value, loss_nonfinite, any_grad_nonfinite, any_stop = shared.tolist()
-        any_nonfinite = loss_nonfinite + any_grad_nonfinite
-        if grad_norm is None and (self.state.step + 1) % cfg.train.log_every == 0:
-            grad_norm = self._measure_grad_norm()  # for the log only: decisions stay as they were
-        skipped = self._step_or_skip(any_nonfinite > 0)
-        return StepResult(loss=loss_value / dist.world_size(), grad_norm=grad_norm, skipped=skipped,
+        loss_value, loss_nonfinite, any_grad_nonfinite, any_stop, norm_sum = shared.tolist()
+        skipped = self._step_or_skip(loss_nonfinite + any_grad_nonfinite > 0)
+        return StepResult(loss=loss_value / dist.world_size(),
+                          grad_norm=norm_sum / dist.world_size(), skipped=skipped,
                           stop_signal=any_stop > 0, data_wait_s=data_wait,
                           step_time_s=time.perf_counter() - started)
 
@@ -187,11 +189,11 @@ class Trainer:
             return False
         step = state.step + 1
         if self.cfg.train.nan_policy == "stop":
-            raise TrainingStopped(f"non-finite loss or gradient norm at step {step}; stopping "
+            raise TrainingStopped(f"non-finite loss or gradients at step {step}; stopping "
                                   f"(train.nan_policy=stop); the last good checkpoint is kept")
         state.consecutive_skips += 1
         state.skipped_steps += 1
-        log.warning(f"step {step}: non-finite loss or gradient norm, optimizer step skipped "
+        log.warning(f"step {step}: non-finite loss or gradients, optimizer step skipped "
                     f"({state.consecutive_skips} in a row, {state.skipped_steps} in all)")
         if state.consecutive_skips > self.cfg.train.max_consecutive_skips:
             raise TrainingStopped(f"{state.consecutive_skips} non-finite steps in a row at step "
@@ -222,27 +224,21 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _clip_gradients(self) -> Optional[float]:
-        """Clip the global gradient norm of the whole (unsharded) model; returns the norm."""
-        max_norm = self.cfg.train.clip_grad_norm
-        if max_norm is None:
-            return None
+    def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of the whole (unsharded) model, as a tensor on the device;
+        clipped to train.clip_grad_norm when set. Under fp16 it is the norm of the unscaled
+        gradients (those the optimizer will apply)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        max_norm = self.cfg.train.clip_grad_norm
+        if max_norm is not None:
+            norm = nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
             norm = norm.full_tensor()
-        return float(norm)
-
-    def _measure_grad_norm(self) -> float:
-        """The global gradient norm without clipping: one pass over the gradients, which DDP has
-        already averaged and FSDP holds as sharded DTensors."""
-        norm = nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        # Under fp16 the gradients still carry the loss scale (not yet unscaled or updated).
-        scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
-        return float(norm) / scale
+        return norm
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -250,6 +246,7 @@ class Trainer:
         """Loss and accuracy over the whole validation set, each sample counted once; identical
         on every rank."""
         model = self.model
+        self._consistent_buffers()
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
         position = 0  # this rank's sample number; the padding beyond valid_count is ignored
@@ -282,8 +279,18 @@ class Trainer:
         every = self.cfg.ckpt.every_steps
         return bool(every) and self.state.step % every == 0
 
+    def _consistent_buffers(self) -> None:
+        """Without sync_batchnorm every rank's BatchNorm statistics follow its own batches: use
+        their mean for evaluation and checkpoints, the same on every rank."""
+        if not self.cfg.parallel.sync_batchnorm:
+            average_buffers(self.model)
+
     def _save(self) -> None:
         started = time.perf_counter()
+        self._consistent_buffers()
+        if dist.any_rank(not _all_finite(self.model), self.device):
+            raise TrainingStopped(f"the weights are not finite at step {self.state.step}; not "
+                                  f"saving them (the last good checkpoint is kept)")
         self.checkpoints.save(self.state)
         self.last_save_s = time.perf_counter() - started
         self.after_save(self.state)
@@ -309,6 +316,14 @@ class Trainer:
         self.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
+
+
+@torch.no_grad()
+def _all_finite(model: nn.Module) -> bool:
+    """Whether this rank's parameters (its shards under FSDP) are all finite: one fused check."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [t for t in local if t.numel()]
+    return not local or bool(torch.isfinite(nn.utils.get_total_norm(local, norm_type=math.inf)))
 
 
 def _improves(value: float, best: Optional[float], mode: str) -> bool:

@@ -1,0 +1,439 @@
+"""Checkpoints that are never half-written, follow the order of saves, and resume a run exactly.
+
+`store` owns the files (markers, order, rotation, the run directory's lock); `state` knows what a
+checkpoint holds and how to read it safely. The `Checkpointer` here puts them together for a run:
+
+- A save writes into a temporary folder, every rank reports the files it wrote, rank 0 renames the
+  folder into place, writes the marker and `latest`, rotates, and only then do the ranks go on
+  (a barrier), so no rank can exit while the newest checkpoint is still being published.
+- Resuming: rank 0 chooses (the newest complete checkpoint, or `ckpt.resume: PATH`) and every
+  rank loads exactly that one. A checkpoint is read and checked completely before anything of it
+  is applied: a failed attempt leaves the fresh model, optimizer and random states untouched.
+- A fresh start or a rewind in a directory with checkpoints moves the abandoned ones aside
+  (`superseded/<time>/`) instead of mixing two histories.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+import dtrain
+from dtrain import dist
+from dtrain.checkpoint import state as ckpt_state
+from dtrain.checkpoint.state import (DCP_DIR, FULL_FILE, META_FILE, FORMAT_VERSION, first_line,
+                                     load_file)
+from dtrain.checkpoint.store import (LATEST, MARKER, Entry, Store, checkpoint_name, file_sizes,
+                                     read_marker, verify_files)
+from dtrain.config import Config, to_dict, training_differences
+from dtrain.errors import UserError
+from dtrain.observe import log
+
+__all__ = ["CheckpointError", "Checkpointer", "ConfigChanged", "open_checkpoint", "load_file",
+           "DCP_DIR", "FULL_FILE", "META_FILE", "LATEST", "MARKER", "Store", "read_marker"]
+
+
+class CheckpointError(Exception):
+    """A save failed (disk full, no permission): exit 1, with the previous checkpoint kept."""
+
+    exit_code = 1
+
+
+class ConfigChanged(UserError):
+    """The checkpoint was made by a config that trains something else: not a damaged checkpoint
+    to fall back from, but a question for the user."""
+
+
+def open_checkpoint(path: str) -> tuple[str, str]:
+    """The folder and format of the checkpoint at `path` (its folder, or a bare checkpoint.pt),
+    after checking that its save completed and that every file it lists has its size."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    marker = read_marker(folder)
+    if marker is None:
+        if os.path.isdir(path):
+            raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
+        return folder, "full"
+    wrong = verify_files(folder, marker)
+    if wrong:
+        raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
+    return folder, marker["format"]
+
+
+def _error_of_save(error: BaseException, name: str, folder: str, needed: int) -> CheckpointError:
+    """A failed write as one line: disk full (with the space it needed), or what the OS said."""
+    free = shutil.disk_usage(folder).free
+    causes = [error, *(getattr(error, "failures", {}) or {}).values()]
+    causes = [c[0] if isinstance(c, tuple) else c for c in causes]
+    # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
+    if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes) or free < needed:
+        return CheckpointError(f"checkpoint error: disk full while saving {name}: it needs about "
+                               f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {folder}; "
+                               f"the previous checkpoint is kept")
+    os_error = next((c for c in causes if isinstance(c, OSError)), None)
+    reason = str(os_error) if os_error is not None else first_line(error)
+    return CheckpointError(f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
+                           f"previous checkpoint is kept")
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly."""
+
+    def __init__(self, cfg: Config, store: Store, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 extra_state: Callable[[], dict[str, Any]],
+                 load_extra_state: Callable[[dict[str, Any]], None],
+                 device: torch.device, is_fsdp: bool, model_info: dict[str, Any]) -> None:
+        self.cfg, self.store, self.model, self.optimizer = cfg, store, model, optimizer
+        self.model_info = model_info  # what rebuilding the model needs (dtrain export)
+        self.extra_state, self.load_extra_state = extra_state, load_extra_state
+        self.device = device
+        fmt = cfg.ckpt.format
+        self.format = fmt if fmt != "auto" else ("sharded" if is_fsdp else "full")
+        self.last_saved_step: Optional[int] = None
+        self.config_changes: list[str] = []  # training keys changed since the resumed checkpoint
+        self.superseded: Optional[str] = None  # where an abandoned history was moved
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._resumed: Optional[dict[str, Any]] = None
+        # Background saves run their collectives on a group of their own, so that they never
+        # interleave with the training collectives on the default group.
+        self._save_group = None
+        self._save_device = device
+        if cfg.ckpt.async_ and dist.is_distributed():
+            import torch.distributed as torch_dist
+            self._save_group = torch_dist.new_group(backend="gloo")
+            self._save_device = torch.device("cpu")
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        # The model's keys and full shapes, to refuse a checkpoint of another model up front.
+        self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+        self._full_data: Optional[dict[str, Any]] = None
+        if dist.is_main():
+            store.prepare()
+        dist.barrier()
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(self, state: Any) -> None:
+        """Save at the current step. With ckpt.async the write continues in the background."""
+        self.wait()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        ckpt = self.cfg.ckpt
+        # Only a checkpoint of the evaluated weights carries the metric (and competes for best).
+        value = state.last_eval.get(ckpt.monitor) if state.last_eval.get("step") == state.step else None
+        name = checkpoint_name(state.step, state.epoch, ckpt.monitor, value)
+        tmp = dist.on_main(lambda: self.store.begin(name))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "format": self.format,
+            "train_state": asdict(state),
+            "extra": self.extra_state(),
+            "world_size": dist.world_size(),
+            "rng": dist.gather_objects(ckpt_state.rng_state(self.device)),
+            "config": to_dict(self.cfg),
+            "model_info": self.model_info,
+            "metrics": dict(state.last_eval),
+            "versions": {"dtrain": dtrain.__version__, "torch": str(torch.__version__)},
+        }
+        marker = {"step": state.step, "epoch": state.epoch, "format": self.format,
+                  "world_size": dist.world_size(), "metric": ckpt.monitor, "value": value}
+        if self.format == "full":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            payload = {"model": get_model_state_dict(self.model, options=options),
+                       "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
+                                                             options=options)}
+        else:
+            payload = {"model": get_model_state_dict(self.model),
+                       "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        self.last_saved_step = state.step
+        if not ckpt.async_:
+            self._write(name, tmp, payload, meta, marker, pending=None)
+            return
+        pending = None
+        if self.format == "full":
+            payload = ckpt_state.cpu_copy(payload)  # rank 0's consolidated copy; empty elsewhere
+        else:
+            pending = self._start_sharded_async(tmp, payload)
+        meta = ckpt_state.cpu_copy(meta)
+        self._thread = threading.Thread(target=self._write_guarded, name="dtrain-checkpoint",
+                                        args=(name, tmp, payload, meta, marker, pending), daemon=True)
+        self._thread.start()
+
+    def _start_sharded_async(self, tmp: str, payload: dict) -> Any:
+        """DCP's asynchronous save: the shards are copied to CPU memory now (pinned on CUDA),
+        and written by DCP's own thread; returns its future."""
+        import torch.distributed.checkpoint as dcp
+        writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
+        return dcp.async_save(payload, storage_writer=writer, process_group=self._save_group,
+                              no_dist=not dist.is_distributed())
+
+    def _write_guarded(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
+            self._error = e
+
+    def _write(self, name: str, tmp: str, payload: dict, meta: dict, marker: dict,
+               pending: Any) -> None:
+        """Write the files, publish on rank 0, and let no rank go on before it is published."""
+        group = self._save_group if self.cfg.ckpt.async_ else None
+        error: Optional[CheckpointError] = None
+        needed = ckpt_state.tensor_bytes(payload) + ckpt_state.tensor_bytes(meta)
+        own_files: dict[str, int] = {}
+        try:
+            if self.format == "sharded":
+                if pending is not None:
+                    pending.result()
+                else:
+                    ckpt_state.write_sharded(tmp, payload, group)
+                own_files = self._own_shard_files(tmp)
+        except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            error = _error_of_save(e, name, self.store.dir, needed)
+        reports = dist.gather_objects(own_files, group) if self.format == "sharded" else []
+        if dist.is_main() and error is None:
+            try:
+                self._publish(name, tmp, payload, meta, marker, reports)
+            except (OSError, RuntimeError) as e:
+                error = _error_of_save(e, name, self.store.dir, needed)
+        if dist.any_rank(error is not None, self._save_device, group):
+            if dist.is_main():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error or CheckpointError(f"checkpoint error: saving {name} failed on another "
+                                           f"rank; the previous checkpoint is kept")
+
+    @staticmethod
+    def _own_shard_files(tmp: str) -> dict[str, int]:
+        """The DCP files this rank wrote (DCP names them __<rank>_<n>.distcp), with their sizes."""
+        folder = os.path.join(tmp, DCP_DIR)
+        prefix = f"__{dist.rank()}_"
+        return {os.path.join(DCP_DIR, n): os.path.getsize(os.path.join(folder, n))
+                for n in os.listdir(folder) if n.startswith(prefix)}
+
+    def _publish(self, name: str, tmp: str, payload: dict, meta: dict, marker: dict,
+                 reports: list[dict[str, int]]) -> None:
+        """Rank 0, after every shard is on disk: the rest of the files, then the marker listing
+        every rank's files, `latest`, and rotation."""
+        if self.format == "full":
+            ckpt_state.torch_save({**meta, **payload}, os.path.join(tmp, FULL_FILE))
+        else:
+            ckpt_state.torch_save(meta, os.path.join(tmp, META_FILE))
+        files = file_sizes(tmp)
+        for report in reports:  # other ranks' shards, also where rank 0 cannot see them
+            files.update(report)
+        final = self.store.publish(name, tmp, marker, files)
+        log.info(f"saved checkpoint {final}")
+        ckpt = self.cfg.ckpt
+        self.store.rotate(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.monitor_mode)
+
+    def wait(self) -> None:
+        """Block until a background save is finished; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- resuming -------------------------------------------------------------------------------
+    def resume(self) -> Optional[dict[str, Any]]:
+        """Load what `ckpt.resume` names; returns the train state dict, or None for a fresh start."""
+        choice = self.cfg.ckpt.resume
+        if choice == "none":
+            self._supersede(lambda entries: entries, "fresh start (ckpt.resume=none)", records=True)
+            log.info("fresh start (ckpt.resume=none)")
+            return None
+        if choice != "auto":
+            return self._resume_from(choice)
+        candidates = dist.on_main(lambda: [e.path for e in self.store.complete()])
+        failed: list[str] = []
+        for path in candidates:
+            problem = self._try_load(path)
+            if problem is None:
+                if failed:
+                    log.warning(f"newest checkpoint {os.path.basename(failed[0])} is unusable; "
+                                f"resumed from the previous good one, {os.path.basename(path)}")
+                    self._supersede(lambda entries: [e for e in entries if e.path in failed],
+                                    "unusable checkpoints")
+                return self._resumed
+            log.warning(f"checkpoint {os.path.basename(path)} is unusable ({problem}); trying an "
+                        f"older one")
+            failed.append(path)
+        if failed:
+            log.warning(f"no usable checkpoint in {self.store.dir} "
+                        f"({', '.join(map(os.path.basename, failed))} unusable): fresh start")
+            self._supersede(lambda entries: entries, "unusable checkpoints", records=True)
+            # Reading an optimizer's state dict creates its state (torch takes a step with zero
+            # gradients and lr 0: momentum buffers, Adam's step count). A fresh start needs none.
+            self.optimizer.state.clear()
+        else:
+            log.info(f"no checkpoint in {self.store.dir}: fresh start")
+        return None
+
+    def _resume_from(self, choice: str) -> dict[str, Any]:
+        """`ckpt.resume: PATH`: that checkpoint or exit 2. A checkpoint of this run directory
+        that is not the newest is a rewind: the ones saved after it are moved aside; one of
+        another directory starts a new history here."""
+        path = choice[:-len(FULL_FILE) - 1] if choice.endswith(FULL_FILE) else choice
+        if not os.path.exists(path):
+            raise UserError(f"checkpoint error: ckpt.resume: {choice} not found")
+        problem = self._try_load(path)
+        if problem:
+            raise UserError(f"checkpoint error: ckpt.resume: {problem}")
+        own = dist.on_main(lambda: self.store.find(path) is not None)
+        if own:
+            def newer(entries: list[Entry]) -> list[Entry]:
+                chosen = self.store.find(path)
+                return [e for e in entries if chosen is not None and e.seq > chosen.seq]
+            self._supersede(newer, f"rewound to {os.path.basename(os.path.normpath(path))}")
+        else:
+            self._supersede(lambda entries: entries, f"resumed from {path}, a checkpoint of "
+                            f"another run directory", records=True)
+        assert self._resumed is not None
+        return self._resumed
+
+    def _supersede(self, pick: Callable[[list[Entry]], list[Entry]], reason: str,
+                   records: bool = False) -> None:
+        """Rank 0 moves the checkpoints `pick` chooses (and with `records` the run's records)
+        aside; every rank learns where they went."""
+        def move() -> Optional[str]:
+            return self.store.supersede(pick(self.store.complete()), reason, records)
+        self.superseded = dist.on_main(move) or self.superseded
+
+    def _try_load(self, path: str) -> Optional[str]:
+        """Load the checkpoint at `path` on every rank; None on success, else the reason. Every
+        rank reaches the same verdict. A config that trains something else is not a reason to
+        try an older checkpoint: it ends the start with exit 2."""
+        problem = None
+        try:
+            self._load(path)
+        except ConfigChanged:
+            raise
+        except UserError as e:
+            problem = str(e).removeprefix("checkpoint error: ")
+        if dist.any_rank(problem is not None, self.device) and problem is None:
+            problem = f"{path} failed to load on another rank"
+        return problem
+
+    def _load(self, path: str) -> None:
+        """Read the checkpoint, check it against the model and the config, then apply it."""
+        def read() -> tuple[str, str, dict[str, Any]]:
+            folder, fmt = open_checkpoint(path)
+            if fmt == "full":
+                data = load_file(os.path.join(folder, FULL_FILE), mmap=True)
+                meta = {k: v for k, v in data.items() if k not in ("model", "optimizer")}
+                self._check_shapes(folder, {k: tuple(v.shape) for k, v in data["model"].items()})
+                self._full_data = data  # kept on rank 0 only; the others receive what they need
+            else:
+                meta = load_file(os.path.join(folder, META_FILE))
+                self._check_shapes(folder, _dcp_model_shapes(folder))
+            return folder, fmt, meta
+
+        try:
+            folder, fmt, meta = dist.on_main(read)
+            self._check_config(meta, folder)
+            if fmt == "full":
+                self._apply_full(folder)
+            else:
+                self._apply_sharded(folder)
+        finally:
+            self._full_data = None
+        self._restore_meta(meta, folder)
+
+    def _check_config(self, meta: dict[str, Any], folder: str) -> None:
+        changes = training_differences(meta.get("config", {}), to_dict(self.cfg))
+        if not changes:
+            return
+        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        if self.cfg.ckpt.resume_config_change != "allow":
+            raise ConfigChanged(f"checkpoint error: {folder} was saved by a config that trains "
+                                f"something else ({shown}); to continue it on purpose set "
+                                f"ckpt.resume_config_change=allow, or start anew with "
+                                f"ckpt.resume=none or another run.name")
+        log.warning(f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): "
+                    f"{shown}")
+        self.config_changes = changes
+
+    def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
+        """Refuse a checkpoint of another model before anything is loaded into this one."""
+        ours = self._shapes
+        missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
+        if missing or unexpected:
+            raise UserError(f"checkpoint error: {folder}: checkpoint is from a different model: "
+                            f"{len(missing)} key(s) missing (e.g. {missing[:3]}), {len(unexpected)} "
+                            f"unexpected (e.g. {unexpected[:3]})")
+        wrong = [k for k in sorted(ours) if ours[k] != saved[k]]
+        if wrong:
+            raise UserError(f"checkpoint error: {folder}: checkpoint is from a different model: "
+                            f"{wrong[0]} has shape {list(saved[wrong[0]])} there, "
+                            f"{list(ours[wrong[0]])} here ({len(wrong)} such key(s))")
+
+    def _apply_full(self, folder: str) -> None:
+        """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        data = self._full_data or {"model": {}, "optimizer": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
+        try:
+            set_model_state_dict(self.model, data["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, data["optimizer"], options=options)
+        except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+            raise UserError(f"checkpoint error: {folder}: {first_line(e)}") from None
+
+    def _apply_sharded(self, folder: str) -> None:
+        """Read every shard into new tensors first; apply them only when all were read."""
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        staged = {"model": _empty_like(get_model_state_dict(self.model)),
+                  "optimizer": _empty_like(get_optimizer_state_dict(self.model, self.optimizer))}
+        ckpt_state.read_sharded(folder, staged)
+        set_model_state_dict(self.model, staged["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, staged["optimizer"])
+
+    def _restore_meta(self, meta: dict[str, Any], folder: str) -> None:
+        saved_world = meta["world_size"]
+        if saved_world == dist.world_size():
+            ckpt_state.set_rng_state(meta["rng"][dist.rank()], self.device)
+        else:
+            log.warning(f"world size changed from {saved_world} to {dist.world_size()}: resuming "
+                        f"at the same sample of the epoch; random states are re-seeded")
+            ckpt_state.reseed(self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1)
+                              + dist.rank())
+        self.load_extra_state(meta["extra"])
+        self._resumed = dict(meta["train_state"], world_size=saved_world, path=folder)
+        self.last_saved_step = meta["train_state"]["step"]
+        log.info(f"resumed from {folder} (step {meta['train_state']['step']}, "
+                 f"epoch {meta['train_state']['epoch']})")
+
+
+def _empty_like(obj: Any) -> Any:
+    """The same structure with new, uninitialised tensors (DTensors keep their sharding)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return {k: _empty_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_empty_like(v) for v in obj]
+    return obj
+
+
+def _dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """The model's keys and shapes as DCP's metadata lists them (read through the allow-list)."""
+    try:
+        metadata = ckpt_state.safe_reader(os.path.join(folder, DCP_DIR)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
+        raise UserError(f"checkpoint error: {folder}: its DCP metadata is unreadable: "
+                        f"{first_line(e)}") from None
+    shapes = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(item, "size"):
+            shapes[key[len("model."):]] = tuple(item.size)
+    return shapes

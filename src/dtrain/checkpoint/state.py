@@ -1,0 +1,202 @@
+"""What a checkpoint holds, in which files, and how it is read back safely.
+
+Format "full": one `checkpoint.pt` written by rank 0 (the metadata and the consolidated model and
+optimizer). Format "sharded": `dcp/` written by every rank through torch.distributed.checkpoint,
+plus `meta.pt` with the rest. Everything is tensors, numbers and strings: `torch.load` runs with
+`weights_only=True`, and DCP's own pickled parts (`.metadata`, small values stored as bytes) are
+read through an allow-list, so a file crafted to run code when unpickled is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+from typing import Any
+
+import numpy
+import torch
+
+from dtrain.errors import UserError
+
+FULL_FILE = "checkpoint.pt"
+META_FILE = "meta.pt"
+DCP_DIR = "dcp"
+FORMAT_VERSION = 2
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states, stored as tensors, ints and strings so that weights_only loading accepts them
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = numpy.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(numpy.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    numpy.random.set_state((np_state["name"], np_state["keys"].numpy().astype(numpy.uint32),
+                            np_state["pos"], np_state["has_gauss"], np_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def reseed(seed: int) -> None:
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+
+def load_file(path: str, mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True and errors a user can act on. With `mmap`, tensors are
+    read from the file as they are used instead of all at once."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint error: {path} not found") from None
+    except Exception as e:  # noqa: BLE001 - any failure here means "not a usable checkpoint"
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise UserError(f"checkpoint error: {path} holds objects that need arbitrary "
+                            f"unpickling; refused (weights_only=True): {first_line(e)}") from None
+        raise UserError(f"checkpoint error: {path} is corrupt or not a checkpoint: "
+                        f"{first_line(e)}") from None
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    """The globals DCP's `.metadata` pickle may name: its own metadata classes, torch.Size,
+    dtypes and layouts, paths and plain containers. Nothing that runs code."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return True
+    if (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                          ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                          ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                          ("collections", "OrderedDict"), ("builtins", "set"),
+                          ("builtins", "frozenset"), ("builtins", "slice")}:
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed_global(module, name):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def safe_reader(path: str) -> Any:
+    """DCP's file-system reader, reading `.metadata` through the allow-list."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def safe_planner() -> Any:
+    """DCP's load planner, reading values stored as bytes with weights_only=True."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafePlanner()
+
+
+def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
+    """Fill `state` (tensors of the right shapes and shardings) from the DCP folder. Any failure,
+    including DCP's CheckpointException (a BaseException), becomes a UserError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    path = os.path.join(folder, DCP_DIR)
+    try:
+        dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(),
+                 process_group=process_group, no_dist=not _distributed())
+    except (CheckpointException, Exception) as e:  # noqa: BLE001 - any failure: unusable
+        raise UserError(f"checkpoint error: {path} is unreadable: {_dcp_reason(e)}") from None
+
+
+def _dcp_reason(error: BaseException) -> str:
+    """The first failure inside a CheckpointException (which lists every rank's traceback)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"{type(inner).__name__}: {first_line(inner)}"
+    return first_line(error)
+
+
+def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
+    import torch.distributed.checkpoint as dcp
+    writer = dcp.FileSystemWriter(os.path.join(folder, DCP_DIR), sync_files=True)
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not _distributed())
+
+
+def _distributed() -> bool:
+    import torch.distributed as torch_dist
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def torch_save(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A copy of every tensor in CPU memory (one copy, straight from the device), so that a
+    background write is not changed by training."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj.detach().clone()
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v) for v in obj]
+    return obj
