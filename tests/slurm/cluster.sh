@@ -5,6 +5,8 @@
 #   tests/slurm/cluster.sh start    install if needed, then start munged, slurmctld and slurmd
 #   tests/slurm/cluster.sh stop     stop them
 #   tests/slurm/cluster.sh status   say whether the cluster answers
+#   tests/slurm/cluster.sh munge    install if needed, then start munged only (shared with the
+#                                   two-node cluster of tests/cluster/slurm2.sh)
 #
 # `start` is idempotent: what already runs is left running (unless this script rewrote
 # slurm.conf, which restarts the SLURM daemons). The node declares more CPUs than the
@@ -149,19 +151,25 @@ stop_daemons() {
         scontrol shutdown >/dev/null 2>&1 || true
     fi
     for _ in $(seq 50); do
-        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break
+        daemon_runs slurmctld || daemon_runs slurmd || break
         sleep 0.2
     done
     for daemon in slurmd slurmctld; do
-        local pid_file=/run/$daemon.pid
-        if [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; then
-            kill "$(cat "$pid_file")"
+        if daemon_runs "$daemon"; then
+            kill "$(cat "/run/$daemon.pid")"
         fi
     done
 }
 
+# This cluster's daemons by their pid files (named in the conf written below): other slurmd or
+# slurmctld processes on this machine (the two-node test cluster) are not ours.
+daemon_runs() {
+    local pid_file=/run/$1.pid
+    [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null
+}
+
 start_daemons() {
-    if [ "$CONF_CHANGED" = 1 ] && { ctld_up || pgrep -x slurmd >/dev/null; }; then
+    if [ "$CONF_CHANGED" = 1 ] && { ctld_up || daemon_runs slurmd; }; then
         echo "cluster.sh: restarting the daemons for the new $CONF"
         stop_daemons
     fi
@@ -171,7 +179,7 @@ start_daemons() {
         for _ in $(seq 50); do ctld_up && break; sleep 0.2; done
         ctld_up || { show_logs; die "slurmctld started but scontrol ping does not answer"; }
     fi
-    if ! pgrep -x slurmd >/dev/null; then
+    if ! daemon_runs slurmd; then
         need_root "starting slurmd"
         slurmd || { show_logs; die "slurmd did not start"; }
     fi
@@ -228,5 +236,6 @@ case "${1:-}" in
     start) start ;;
     stop) stop ;;
     status) status ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    munge) install_packages; start_munge ;;
+    *) echo "usage: $0 start|stop|status|munge" >&2; exit 2 ;;
 esac
