@@ -1,60 +1,115 @@
-"""Memory per rank: FSDP against DDP on the same transformer, 2 ranks on gloo.
+"""Memory per rank: FSDP against DDP on a transformer of 151 M parameters (dim 1024, depth 12),
+AdamW, fp32, 2 ranks on gloo, 3 steps.
 
-State bytes (parameters, gradients and AdamW's two moments held by rank 0) come from the run's
-own first record (`state_bytes`); `dtrain plan` predicts them, and the prediction is shown next
-to the measurement. Peak RSS is the largest rank's peak resident memory over the whole run (model
-built, sharded, trained, evaluated and checkpointed), which includes the ~0.5 GiB that PyTorch
-itself takes in every process.
+- State bytes (parameters, gradients and AdamW's two moments held by rank 0) come from the run's
+  own first record (`state_bytes`), next to what `dtrain plan` predicts.
+- Peak RSS is measured from outside the processes: the largest rank's peak resident memory over
+  the whole run (built, sharded, trained, evaluated, checkpointed), which includes what PyTorch
+  itself takes in every process.
+- Start-up: the time from the process's start to the end of its first step (the run's own
+  `start-up:` log line).
+- Fits where DDP does not: both runs again in a memory cgroup whose limit lies between what the
+  two need (root and a cgroup memory controller only; otherwise said and skipped).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Figure  # noqa: E402
 
-MODEL = ["model.name=transformer", "model.args={dim: 512, depth: 8, heads: 8}", "optim.name=adamw",
-         "optim.lr=0.001", "data.synthetic.train_size=512", "data.synthetic.val_size=64",
-         "data.batch_size=4", "train.max_steps=3", "train.log_every=1", "train.eval_every_epochs=0",
+MODEL = ["model.name=transformer", "model.args={dim: 1024, depth: 12, heads: 16, patch_size: 4}",
+         "optim.name=adamw", "optim.lr=0.001", "data.synthetic.train_size=64",
+         "data.synthetic.val_size=16", "data.batch_size=2", "data.num_workers=0",
+         "train.max_steps=3", "train.log_every=1", "train.eval_every_epochs=0",
          "ckpt.every_epochs=0", "log.tensorboard=false"]
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
-def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int]:
-    """State bytes of rank 0 and the largest rank's peak RSS, for one 2-rank run."""
+def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int, float]:
+    """State bytes of rank 0, the largest rank's peak RSS, and rank 0's start-up seconds."""
     run_dir = work / "runs" / f"{mode}-{tag}"
     peak = common.run_peak_rss(common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2))
-    return common.records(run_dir)[0]["state_bytes"], peak
+    startup = re.search(r"\(([\d.]+) s since the process started\)", (run_dir / "log.txt").read_text())
+    return common.records(run_dir)[0]["state_bytes"], peak, float(startup.group(1))
 
 
-def planned_state_bytes(mode: str) -> int:
+def planned(mode: str) -> tuple[int, int]:
+    """dtrain plan's state bytes and total per rank for `mode`."""
     from dtrain import config, plan
     estimate = plan.estimate(config.load(None, [*MODEL, f"parallel.mode={mode}"]), nproc=2)
-    return estimate.memory_for(mode, "fp32").state
+    memory = estimate.memory_for(mode, "fp32")
+    return memory.state, memory.total
+
+
+def under_limit(work: Path, mode: str, limit: int) -> Optional[int]:
+    """Run `mode` inside a memory cgroup of `limit` bytes; its exit code (None: no cgroup here)."""
+    group = Path(CGROUP_ROOT) / f"dtrain-bench-{os.getpid()}-{mode}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError:
+        return None
+    try:
+        cmd = common.dtrain_cmd(work / "runs" / f"limited-{mode}", [*MODEL, f"parallel.mode={mode}"],
+                                nproc=2)
+        # The wrapper joins the cgroup, then runs the job: every process of it is inside.
+        join = ("import os, subprocess, sys\n"
+                f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+                "sys.exit(subprocess.call(sys.argv[1:]))\n")
+        proc = subprocess.run([sys.executable, "-c", join, *cmd], cwd=common.REPO, env=common.env(),
+                              capture_output=True, text=True, timeout=900)
+        return proc.returncode
+    finally:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
 
 
 def run(work: Path, rounds: int = 2) -> list[Figure]:
     state: dict[str, int] = {}
     peaks: dict[str, list[int]] = {"ddp": [], "fsdp": []}
+    startups: dict[str, list[float]] = {"ddp": [], "fsdp": []}
     for i in range(rounds):
         for mode in ("ddp", "fsdp"):
-            state[mode], peak = run_mode(work, mode, str(i))
+            state[mode], peak, startup = run_mode(work, mode, str(i))
             peaks[mode].append(peak)
+            startups[mode].append(startup)
     mib = 2**20
     ddp_rss, fsdp_rss = common.median(peaks["ddp"]), common.median(peaks["fsdp"])
-    planned = {mode: planned_state_bytes(mode) for mode in state}
-    matches = all(planned[m] == state[m] for m in state)
-    return [
-        Figure("memory: state bytes per rank fsdp/ddp (2 ranks)", state["fsdp"] / state["ddp"], "x",
-               "<= 0.51", f"{state['fsdp'] / mib:.1f} vs {state['ddp'] / mib:.1f} MiB; dtrain plan "
-               f"predicted {'exactly these' if matches else planned}"),
-        Figure("memory: peak RSS per rank fsdp/ddp (2 ranks)", fsdp_rss / ddp_rss, "x", "",
+    plans = {mode: planned(mode) for mode in state}
+    matches = all(plans[m][0] == state[m] for m in state)
+    figures = [
+        Figure("memory: state bytes per rank fsdp/ddp (151 M params)", state["fsdp"] / state["ddp"],
+               "x", "<= 0.51", f"{state['fsdp'] / mib:.0f} vs {state['ddp'] / mib:.0f} MiB; dtrain "
+               f"plan predicted {'exactly these' if matches else [plans[m][0] for m in plans]}"),
+        Figure("memory: peak RSS per rank fsdp/ddp (151 M params)", fsdp_rss / ddp_rss, "x", "<= 0.5",
                f"{fsdp_rss / mib:.0f} vs {ddp_rss / mib:.0f} MiB, largest rank, medians of {rounds}; "
-               f"difference {(ddp_rss - fsdp_rss) / mib:.0f} MiB"),
+               f"plan's total per rank {plans['fsdp'][1] / mib:.0f} vs {plans['ddp'][1] / mib:.0f} "
+               f"MiB (state, activations, buffers: without what torch itself takes)"),
+        Figure("memory: start-up to the end of the first step, fsdp", common.median(startups["fsdp"]),
+               "s", "", f"ddp {common.median(startups['ddp']):.1f} s (rank 0, from process start)"),
     ]
+    # Both ranks together, plus the torchrun agent: a limit between what FSDP and DDP need.
+    limit = int((2 * fsdp_rss + 2 * ddp_rss) / 2)
+    codes = {mode: under_limit(work, mode, limit) for mode in ("fsdp", "ddp")}
+    if None in codes.values():
+        figures.append(Figure("memory: under a cgroup limit", 0, "", "",
+                              "skipped: no cgroup memory controller (or not root) here"))
+    else:
+        figures.append(Figure("memory: under a cgroup limit, fsdp exit / ddp exit", codes["fsdp"], "",
+                              "", f"limit {limit / mib:.0f} MiB for the job: fsdp exit "
+                              f"{codes['fsdp']}, ddp exit {codes['ddp']} (killed for memory)"))
+    return figures
 
 
 if __name__ == "__main__":

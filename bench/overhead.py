@@ -53,7 +53,7 @@ def dtrain_run(work: Path, nproc: int, job: Job, tag: str) -> tuple[list[str], P
     return common.dtrain_cmd(run_dir, [
         "model.name=simple_cnn", f"model.args={{width: {job.width}}}", "data.name=synthetic",
         f"data.synthetic.train_size={job.train_size(nproc)}", "data.synthetic.val_size=256",
-        f"data.batch_size={job.batch}", f"optim.lr={LR}", "optim.momentum=0.9",
+        f"data.batch_size={job.batch}", "data.num_workers=0", f"optim.lr={LR}", "optim.momentum=0.9",
         "optim.weight_decay=5e-4", "sched.name=none", "train.epochs=1",
         f"train.max_steps={job.steps}", f"train.log_every={LOG_EVERY}", "train.eval_every_epochs=0",
         "ckpt.every_epochs=0", "log.tensorboard=true", "log.progress=lines"], nproc), run_dir

@@ -22,14 +22,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_io  # noqa: E402
 import exit_codes  # noqa: E402
+import image_folder  # noqa: E402
 import input_pipeline  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
+import peers  # noqa: E402
 import startup  # noqa: E402
 from common import Figure  # noqa: E402
 
 BENCHMARKS = {"overhead": overhead, "memory": memory, "checkpoint": checkpoint_io,
-              "startup": startup, "pipeline": input_pipeline, "exit_codes": exit_codes}
+              "startup": startup, "pipeline": input_pipeline, "images": image_folder,
+              "peers": peers, "exit_codes": exit_codes}
 # Run on request only (--only exit_codes): 40 launches, several minutes.
 DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
 

@@ -26,7 +26,7 @@ def dtrain_start(work: Path, tag: str) -> float:
     cmd = common.dtrain_cmd(run_dir, [
         "model.name=simple_cnn", f"model.args={{width: {WIDTH}}}",
         f"data.synthetic.train_size={TRAIN_SIZE}", "data.synthetic.val_size=128",
-        f"data.batch_size={BATCH}", "train.max_steps=2", "train.log_every=1",
+        f"data.batch_size={BATCH}", "data.num_workers=0", "train.max_steps=2", "train.log_every=1",
         "log.tensorboard=true"], NPROC)
     launched = time.time()
     common.run(cmd)

@@ -20,11 +20,12 @@ TESTS = str(REPO / "tests")
 # In-process imports of dtrain test this checkout too, not wherever dtrain was pip-installed from.
 sys.path.insert(0, str(REPO / "src"))
 
-# A small, fast job: tiny CNN, small synthetic set, log every step.
+# A small, fast job: tiny CNN, small synthetic set, log every step, no loader processes (tests
+# of data.num_workers set it themselves).
 TINY = [
     "model.name=simple_cnn", "model.args={width: 8}",
     "data.synthetic.train_size=512", "data.synthetic.val_size=100", "data.batch_size=16",
-    "train.epochs=1", "train.log_every=1", "log.tensorboard=false",
+    "data.num_workers=0", "train.epochs=1", "train.log_every=1", "log.tensorboard=false",
     "optim.lr=0.05", "sched.name=none",
 ]
 

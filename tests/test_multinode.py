@@ -365,9 +365,11 @@ def test_run_directory_not_shared_by_the_second_host_is_refused(hosts, tmp_path:
     lines = [line for o in outputs.values() for line in o.splitlines()
              if "is not shared by all ranks" in line]
     assert lines and all(str(run_dir) in line for line in lines), agents.tails()
-    for host, output in outputs.items():
-        exit_codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
-        assert exit_codes and set(exit_codes) == {"2"}, (host, agents.tails())
+    # The worker exit codes torchrun reports are 2 (bad input). The agent that ends second may
+    # find the rendezvous store already gone and report no summary at all: that is torchrun's.
+    summaries = [re.findall(r"exitcode\s*:\s*(-?\d+)", output) for output in outputs.values()]
+    assert any(summaries) and all(set(codes) <= {"2"} for codes in summaries), agents.tails()
+    for output in outputs.values():
         assert "/dtrain/" not in output, agents.tails()  # no traceback through dtrain's code
     assert not train_steps(run_dir) and not train_steps(elsewhere / "unshared")
 

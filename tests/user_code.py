@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from dtrain import synthetic
-from dtrain.data import ImageDataset
 from dtrain.models import SimpleCNN
 
 
@@ -60,11 +59,23 @@ class ServedLog(torch.utils.data.Dataset):
         return self.dataset[index]
 
 
+class Images(torch.utils.data.Dataset):
+    """A user's own image dataset: float images scaled to about [-2, 2], with labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = (images.float() / 255 - 0.5) / 0.25, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.images[index], self.labels[index]
+
+
 def served_synthetic(cfg):
     """The synthetic dataset, logging which training samples are served."""
-    norm = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    train = ImageDataset(*synthetic.generate(cfg.synthetic.train_size, "train"), *norm)
-    val = ImageDataset(*synthetic.generate(cfg.synthetic.val_size, "val"), *norm)
+    train = Images(*synthetic.generate(cfg.synthetic.train_size, "train"))
+    val = Images(*synthetic.generate(cfg.synthetic.val_size, "val"))
     served = ServedLog(train)
     served.num_classes = len(synthetic.CLASSES)
     served.sample_shape = (3, synthetic.IMAGE_SIZE, synthetic.IMAGE_SIZE)
@@ -107,11 +118,10 @@ def faulty_cnn(cfg) -> nn.Module:
 
 
 def empty_data(cfg):
-    norm = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     images, labels = synthetic.generate(10, "val")
-    empty = ImageDataset(images[:0], labels[:0], *norm)
+    empty = Images(images[:0], labels[:0])
     empty.num_classes, empty.sample_shape = 10, (3, 32, 32)
-    return empty, ImageDataset(images, labels, *norm)
+    return empty, Images(images, labels)
 
 
 class InfGradCNN(SimpleCNN):
@@ -136,3 +146,34 @@ class InfGradCNN(SimpleCNN):
 def inf_grad_cnn(cfg) -> nn.Module:
     args = dict(cfg.args)
     return InfGradCNN(num_classes=10, in_channels=3, **args)
+
+
+# Python-level ways to read a tensor's value on the host: on a GPU each waits for the device.
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "__index__")
+
+
+class CountingCNN(SimpleCNN):
+    """SimpleCNN that counts, in its process, every Python-level read of a tensor's value on the
+    host, and at each training forward appends the running count to $READS_DIR/rank<RANK>.txt."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.reads = [0]
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kw):
+                self.reads[0] += 1
+                return _original(tensor, *args, **kw)
+            setattr(torch.Tensor, name, counted)
+        self.path = os.path.join(os.environ["READS_DIR"], f"rank{os.environ.get('RANK', '0')}.txt")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with open(self.path, "a") as f:
+                f.write(f"{self.reads[0]}\n")
+        return super().forward(x)
+
+
+def counting_cnn(cfg) -> nn.Module:
+    return CountingCNN(num_classes=10, in_channels=3, **dict(cfg.args))

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Callable, Optional
 
@@ -87,6 +88,10 @@ def _print_error(message: str, every_rank: bool = False) -> None:
         print(f"dtrain: {message}", file=sys.stderr, flush=True)
     elif every_rank:
         print(f"dtrain: [rank {rank}] {message}", file=sys.stderr, flush=True)
+    else:
+        # torchrun stops the other workers as soon as one fails: leave rank 0 the moment it
+        # needs to print the line (and to be the root cause torchrun reports).
+        time.sleep(1.0)
 
 
 @record

@@ -75,13 +75,27 @@ class ParallelConfig:
 
 
 @dataclass
+class TaskConfig:
+    name: str = _opt("classification", doc="classification | language_model | model_loss | "
+                                            "module:function")
+    args: dict = _opt({}, doc="keyword arguments for the task (the builder's config for a user's)")
+
+
+@dataclass
 class ModelConfig:
-    name: str = _opt("simple_cnn", doc="simple_cnn | resnet_small | transformer | tv:NAME | module:function")
+    name: str = _opt("simple_cnn", doc="simple_cnn | resnet_small | transformer | gpt | tv:NAME | "
+                                       "module:function")
     num_classes: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="default: from the dataset")
     args: dict = _opt({}, doc="keyword arguments for the model builder")
     activation_checkpointing: bool = _opt(False)
     compile: bool = _opt(False)
     channels_last: bool = _opt(False)
+    init_from: Optional[str] = _opt(None, doc="start from these weights: a dtrain checkpoint, an "
+                                              "exported state_dict or a torchvision .pth file")
+    init_exclude: list = _opt([], doc="globs of weights not taken from init_from, e.g. [fc.*]")
+    init_strict: bool = _opt(True, doc="every other weight must be in init_from, with its shape")
+    pretrained: bool = _opt(False, doc="tv: models: torchvision's weights, from the torch hub "
+                                       "cache (never downloaded at run time)")
 
 
 @dataclass
@@ -91,25 +105,50 @@ class SyntheticConfig:
 
 
 @dataclass
+class TextConfig:
+    corpus: Optional[str] = _opt(None, choices=(None, "python_docs"),
+                                 doc="a built-in corpus instead of the text at data.root")
+    seq_len: Optional[int] = _opt(None, check=AT_LEAST_ONE,
+                                  doc="tokens a window predicts; default: model.args.seq_len, else 256")
+    stride: Optional[int] = _opt(None, check=AT_LEAST_ONE,
+                                 doc="training windows start every this many bytes; default seq_len")
+    val_fraction: float = _opt(0.1, check=(lambda v: 0 < v < 1, "must be in (0, 1)"),
+                               doc="the end of the text held out when there is no val file/folder")
+
+
+@dataclass
 class DataConfig:
-    name: str = _opt("synthetic", doc="synthetic | cifar10 | mnist | fashion_mnist | imagefolder | module:function")
+    name: str = _opt("synthetic", doc="synthetic | cifar10 | mnist | fashion_mnist | imagefolder | "
+                                      "text | module:function")
     root: str = _opt("data")
     download: bool = _opt(False)
     batch_size: int = _opt(128, check=AT_LEAST_ONE, doc="per rank")
     eval_batch_size: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="default: batch_size")
-    num_workers: int = _opt(0, check=NON_NEGATIVE)
+    num_workers: Union[int, str] = _opt("auto", check=(lambda v: v == "auto" or (isinstance(v, int) and v >= 0),
+                                                       "must be auto or >= 0"),
+                                        doc="loader processes per rank; auto: from the CPUs per rank")
     persistent_workers: bool = _opt(True)
-    augment: bool = _opt(True)
+    augment: bool = _opt(True, doc="false: the validation transform for training too")
     drop_last: bool = _opt(True)
-    image_size: Optional[int] = _opt(None, check=AT_LEAST_ONE, doc="imagefolder resize; default 224")
+    image_size: Optional[int] = _opt(None, check=AT_LEAST_ONE,
+                                     doc="null: the images' own size when they share one small "
+                                         "square size (<= 64 px), else 224")
+    transform: str = _opt("auto", choices=("auto", "cifar", "imagenet", "none"),
+                          doc="auto: cifar for small native sizes, imagenet otherwise")
+    on_bad_sample: str = _opt("error", choices=("error", "skip"),
+                              doc="an unreadable image: stop with exit 2, or use another sample")
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    text: TextConfig = field(default_factory=TextConfig)
 
 
 @dataclass
 class OptimConfig:
-    name: str = _opt("sgd", choices=("sgd", "adam", "adamw"))
+    name: str = _opt("sgd", check=(lambda v: v in ("sgd", "adam", "adamw") or ":" in v,
+                                   "must be sgd, adam, adamw or module:function"))
     lr: float = _opt(0.1, check=POSITIVE)
     weight_decay: float = _opt(5e-4, check=NON_NEGATIVE)
+    no_decay: Union[str, list] = _opt("auto", doc="parameters without weight decay: auto (biases, "
+                                                  "normalisation weights, embeddings), or globs")
     momentum: float = _opt(0.9, check=FRACTION)
     nesterov: bool = _opt(False)
     betas: list = _opt([0.9, 0.999])
@@ -118,7 +157,9 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = _opt("cosine", choices=("cosine", "step", "plateau", "none"))
+    name: str = _opt("cosine", check=(lambda v: v in ("cosine", "step", "plateau", "none")
+                                      or ":" in v,
+                                      "must be cosine, step, plateau, none or module:function"))
     warmup_steps: int = _opt(0, check=NON_NEGATIVE)
     min_lr: float = _opt(0.0, check=NON_NEGATIVE, doc="cosine floor")
     step_size: int = _opt(1000, check=AT_LEAST_ONE, doc="step: decay every this many steps")
@@ -135,11 +176,16 @@ class TrainConfig:
     loss_scale_init: float = _opt(65536.0, check=POSITIVE, doc="fp16: the grad scaler's first scale")
     clip_grad_norm: Optional[float] = _opt(None, check=POSITIVE)
     log_every: int = _opt(50, check=AT_LEAST_ONE)
+    check_every_steps: int = _opt(10, check=AT_LEAST_ONE,
+                                  doc="the host waits for the device (and ranks agree on stop "
+                                      "signals and non-finite steps) this often, and at records")
     eval_every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = only at the end")
     eval_every_steps: Optional[int] = _opt(None, check=AT_LEAST_ONE)
     nan_policy: str = _opt("stop", choices=("stop", "skip"))
     max_consecutive_skips: int = _opt(10, check=NON_NEGATIVE)
     detect_anomaly: bool = _opt(False)
+    sync_debug: bool = _opt(False, doc="CUDA: warn at every host-device synchronisation of a "
+                                       "step outside the checks (finds what makes steps wait)")
     cudnn_benchmark: bool = _opt(False)
     deterministic: bool = _opt(False)
     overfit_batches: int = _opt(0, check=NON_NEGATIVE, doc="K > 0: train on the same K batches")
@@ -188,6 +234,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -336,6 +383,17 @@ def _cross_checks(cfg: Config) -> None:
     """Rules that involve more than one key."""
     if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in cfg.optim.betas):
         raise UserError(f"config error: optim.betas: expected two numbers, got {cfg.optim.betas!r}")
+    no_decay = cfg.optim.no_decay
+    if (isinstance(no_decay, str) and no_decay != "auto") or (
+            isinstance(no_decay, list) and not all(isinstance(g, str) for g in no_decay)):
+        raise UserError(f"config error: optim.no_decay: expected auto or a list of name globs, "
+                        f"got {no_decay!r}")
+    if cfg.model.pretrained and not cfg.model.name.startswith("tv:"):
+        raise UserError(f"config error: model.pretrained: only torchvision models (tv:NAME) have "
+                        f"pretrained weights here; use model.init_from=PATH for {cfg.model.name}")
+    if cfg.model.pretrained and cfg.model.init_from:
+        raise UserError("config error: model.pretrained and model.init_from both name starting "
+                        "weights; keep one")
     wrap = cfg.parallel.fsdp.wrap
     if isinstance(wrap, str) and wrap != "auto":
         raise UserError(f"config error: parallel.fsdp.wrap: expected 'auto' or a list of class "
@@ -345,12 +403,13 @@ def _cross_checks(cfg: Config) -> None:
     name = cfg.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name):
         raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
-    reported = ("val_loss", "val_acc")
-    if cfg.ckpt.monitor not in reported:
+    from dtrain.tasks import builtin_metrics  # the tasks know what they report
+    reported = builtin_metrics(cfg.task.name)
+    if reported is not None and cfg.ckpt.monitor not in reported:
         close = difflib.get_close_matches(cfg.ckpt.monitor, reported, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise UserError(f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is not a reported "
-                        f"metric; use one of {', '.join(reported)}{hint}")
+        raise UserError(f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is not a metric the "
+                        f"{cfg.task.name} task reports; use one of {', '.join(reported)}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,16 +40,22 @@ def pick_device(env: Env) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_backend(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+def pick_backend(requested: str, device: torch.device, cpu_collectives: bool = False) -> str:
+    """nccl for CUDA, gloo for the CPU. With `cpu_collectives` (FSDP's CPU offload on GPUs, whose
+    gradient norm and clipping run DTensor collectives on CPU tensors) a group with both:
+    `cpu:gloo,cuda:nccl`."""
     if requested == "nccl" and device.type != "cuda":
         raise UserError("config error: dist.backend: nccl needs CUDA devices; use gloo or auto")
+    if requested == "auto":
+        requested = "nccl" if device.type == "cuda" else "gloo"
+    if cpu_collectives and requested == "nccl":
+        return "cpu:gloo,cuda:nccl"
     return requested
 
 
-def init(env: Env, cfg: DistConfig) -> Runtime:
-    """Set the device and, for a distributed launch, create the default process group."""
+def init(env: Env, cfg: DistConfig, cpu_collectives: bool = False) -> Runtime:
+    """Set the device and, for a distributed launch, create the default process group (with a
+    CPU backend beside NCCL when `cpu_collectives`)."""
     if env.launcher == "torchrun":
         _die_with_agent()
     device = pick_device(env)
@@ -57,7 +63,7 @@ def init(env: Env, cfg: DistConfig) -> Runtime:
         torch.cuda.set_device(device)
     if not env.distributed:
         return Runtime(env=env, device=device, backend=None)
-    backend = pick_backend(cfg.backend, device)
+    backend = pick_backend(cfg.backend, device, cpu_collectives)
     # env:// reads these; srun does not set them, torchrun does (setdefault keeps torchrun's).
     for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port)),
                         ("RANK", str(env.rank)), ("WORLD_SIZE", str(env.world_size)),
@@ -220,6 +226,36 @@ def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> Optional[list[int]]:
                 time.sleep(0.1)
         return missing
     except Exception:  # noqa: BLE001 - the store is best effort here
+        return None
+
+
+_ABORT_KEY = "dtrain/abort"
+
+
+def announce_abort(message: str) -> None:
+    """A rank that stops on bad input (an unreadable image, say) leaves its message in the
+    rendezvous store before it exits, so that the ranks it leaves waiting in a collective can
+    stop with the same line instead of a lost-peer error. Best effort."""
+    if not is_distributed():
+        return
+    try:
+        torch_dist.distributed_c10d._get_default_store().set(_ABORT_KEY, message)
+    except Exception:  # noqa: BLE001 - the store may be gone already
+        pass
+
+
+def abort_message(wait_s: float = 1.0) -> Optional[str]:
+    """The message another rank announced before it stopped, if any (waiting up to `wait_s`)."""
+    try:
+        store = torch_dist.distributed_c10d._get_default_store()
+        deadline = time.monotonic() + wait_s
+        while True:
+            if store.check([_ABORT_KEY]):
+                return store.get(_ABORT_KEY).decode()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store itself is gone
         return None
 
 

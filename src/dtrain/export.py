@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from dtrain import checkpoint, config, models
+from dtrain import checkpoint, config, models, tasks
 from dtrain.checkpoint.state import read_sharded
-from dtrain.data import Datasets
 from dtrain.errors import UserError
 
 TOLERANCE = 1e-5
@@ -29,8 +29,7 @@ def load_model(path: str) -> tuple[nn.Module, dict]:
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
     meta = checkpoint.load_file(path if os.path.isfile(path) else meta_path)
     cfg = config.from_dict(meta["config"])
-    info = meta["model_info"]
-    model = models.build(cfg.model, Datasets(train=None, val=None, **info), cfg.run.seed)
+    model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     if sharded:
         state = {"model": model.state_dict()}
         read_sharded(folder, state)
@@ -44,46 +43,67 @@ def load_model(path: str) -> tuple[nn.Module, dict]:
     return model.eval(), meta
 
 
-def example_batch(meta: dict, size: int = 4) -> torch.Tensor:
-    info = meta["model_info"]
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(size, info["in_channels"], info["image_size"], info["image_size"], generator=gen)
+def example_input(meta: dict, size: int = 4) -> Any:
+    """A model input like the run's data, from the task (None when the task cannot say)."""
+    cfg = config.from_dict(meta["config"])
+    task = tasks.build(cfg.task, meta["model_info"])
+    make = getattr(task, "example_input", None)
+    return make(meta["model_info"], size) if make is not None else None
+
+
+def _difference(a: Any, b: Any) -> float:
+    """The largest difference between the tensors of two outputs (tensors, tuples, dicts, ...)."""
+    left, right = tasks.leaves(a), tasks.leaves(b)
+    tensors = [(x, y) for x, y in zip(left, right) if isinstance(x, torch.Tensor)]
+    if len(left) != len(right) or not tensors:
+        return float("inf")
+    return max((x.float() - y.float()).abs().max().item() for x, y in tensors)
 
 
 def export(path: str, out: str, fmt: str = "state_dict") -> float:
-    """Write the export, load it back, and return the largest output difference on a batch."""
+    """Write the export, load it back, and return the largest output difference on a batch (the
+    weights' difference for a state_dict of a task that cannot make an input)."""
     model, meta = load_model(path)
-    batch = example_batch(meta)
-    with torch.no_grad():
-        expected = model(batch)
+    inputs = example_input(meta)
+    if inputs is None and fmt != "state_dict":
+        raise UserError(f"export error: --format {fmt} traces the model on an input, and this "
+                        f"task has no example_input(info, batch_size); add one, or export a "
+                        f"state_dict")
     out_dir = os.path.dirname(os.path.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # torch.jit's deprecation notes are not the user's business
+        expected = tasks.call(model, inputs) if inputs is not None else None
         if fmt == "state_dict":
             torch.save(model.state_dict(), out)
             reloaded = _reload_state_dict(meta, out)
+            if inputs is None:
+                difference = _difference(list(model.state_dict().values()),
+                                         list(reloaded.state_dict().values()))
+                return _report(path, out, fmt, difference, "weights")
         elif fmt == "torchscript":
-            torch.jit.save(torch.jit.trace(model, batch), out)
+            torch.jit.save(torch.jit.trace(model, inputs), out)
             reloaded = torch.jit.load(out)
         elif fmt == "exported":
-            torch.export.save(torch.export.export(model, (batch,)), out)
+            torch.export.save(torch.export.export(model, (inputs,)), out)
             reloaded = torch.export.load(out).module()
         else:
             raise UserError(f"export error: unknown format '{fmt}'")
-        with torch.no_grad():
-            actual = reloaded(batch)
-    difference = (actual - expected).abs().max().item()
+        difference = _difference(tasks.call(reloaded, inputs), expected)
+    return _report(path, out, fmt, difference, "outputs")
+
+
+def _report(path: str, out: str, fmt: str, difference: float, what: str) -> float:
     if difference > TOLERANCE:
-        raise UserError(f"export error: the exported model's outputs differ from the checkpoint's "
+        raise UserError(f"export error: the exported model's {what} differ from the checkpoint's "
                         f"by {difference:.3g} (> {TOLERANCE}); {out} is not trustworthy")
-    print(f"exported {path} -> {out} ({fmt}); outputs match the checkpoint on a batch "
-          f"(max difference {difference:.2g})")
+    print(f"exported {path} -> {out} ({fmt}); {what} match the checkpoint"
+          f"{' on a batch' if what == 'outputs' else ''} (max difference {difference:.2g})")
     return difference
 
 
 def _reload_state_dict(meta: dict, out: str) -> nn.Module:
     cfg = config.from_dict(meta["config"])
-    model = models.build(cfg.model, Datasets(train=None, val=None, **meta["model_info"]), cfg.run.seed)
+    model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     model.load_state_dict(torch.load(out, weights_only=True))
     return model.eval()

@@ -1,4 +1,5 @@
-"""Built-in models, torchvision classifiers by name, and users' models by import path.
+"""Built-in models (image classifiers and a GPT-style language model), torchvision classifiers by
+name, and users' models by import path.
 
 Every builder returns a plain nn.Module; `build` seeds the initialisation from `run.seed` so that
 every rank starts from the same weights.
@@ -9,11 +10,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import ModelConfig
-from dtrain.data import Datasets
-from dtrain.imports import load_callable
+from dtrain.imports import is_import_path, load_callable
 from dtrain.errors import UserError
 
 
@@ -123,29 +124,113 @@ class TransformerClassifier(nn.Module):
         return self.head(self.norm(x).mean(dim=1))
 
 
-BUILTINS: dict[str, Callable[..., nn.Module]] = {
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through F.scaled_dot_product_attention (causal for language)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False) -> None:
+        super().__init__()
+        if dim % heads:
+            raise UserError(f"config error: model.args: dim {dim} is not divisible by heads {heads}")
+        self.heads, self.dropout, self.causal = heads, dropout, causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).unbind(2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=self.dropout if self.training else 0.0,
+                                             is_causal=self.causal)
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm decoder block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = SelfAttention(dim, heads, dropout, causal=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model: token and position embeddings, a stack of
+    GPTBlocks, a final norm and an output head tied to the token embedding."""
+
+    def __init__(self, vocab_size: int = 256, seq_len: int = 256, dim: int = 256, depth: int = 4,
+                 heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, dim)
+        self.pos_emb = nn.Embedding(seq_len, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        for module in self.modules():  # GPT-2's initialisation: N(0, 0.02), biases 0
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.seq_len:
+            raise ValueError(f"sequence of {length} tokens, longer than the model's seq_len {self.seq_len}")
+        positions = torch.arange(length, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+CLASSIFIERS: dict[str, Callable[..., nn.Module]] = {
     "simple_cnn": SimpleCNN,
     "resnet_small": ResNetSmall,
     "transformer": TransformerClassifier,
 }
+BUILTINS = (*CLASSIFIERS, "gpt")
 
 
-def build(cfg: ModelConfig, data: Datasets, seed: int) -> nn.Module:
-    """The model named by `model.name`, initialised identically on every rank from `seed`."""
-    num_classes = cfg.num_classes or data.num_classes
-    if not num_classes:
-        raise UserError("config error: model.num_classes: the dataset does not say how many "
-                        "classes it has; set model.num_classes")
+def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """What rebuilding the model needs besides its config: the datasets' info, with the number
+    of classes of the config when it sets one (saved in checkpoints for `dtrain export`)."""
+    return {**info, "num_classes": cfg.num_classes or info.get("num_classes")}
+
+
+def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
+    """The model named by `model.name`, initialised identically on every rank from `seed`.
+    `info` is what the datasets say (number of classes, channels, image size, vocabulary, ...)."""
     torch.manual_seed(seed)
     args: dict[str, Any] = dict(cfg.args)
     try:
-        if cfg.name in BUILTINS:
+        if cfg.name == "gpt":
+            for key in ("vocab_size", "seq_len"):
+                if key not in args and key not in info:
+                    raise UserError(f"config error: model.args.{key}: the data does not say it "
+                                    f"(data.name: text does); set model.args.{key}")
+                args.setdefault(key, info.get(key))
+            return GPT(**args)
+        if cfg.name in CLASSIFIERS or cfg.name.startswith("tv:"):
+            num_classes = cfg.num_classes or info.get("num_classes")
+            if not num_classes:
+                raise UserError("config error: model.num_classes: the dataset does not say how "
+                                "many classes it has; set model.num_classes")
+            if cfg.name.startswith("tv:"):
+                return _torchvision(cfg.name[3:], num_classes, args)
             if cfg.name == "transformer":
-                args.setdefault("image_size", data.image_size)
-            return BUILTINS[cfg.name](num_classes=num_classes, in_channels=data.in_channels, **args)
-        if cfg.name.startswith("tv:"):
-            return _torchvision(cfg.name[3:], num_classes, args)
-        if ":" in cfg.name:
+                args.setdefault("image_size", info.get("image_size", 32))
+            return CLASSIFIERS[cfg.name](num_classes=num_classes,
+                                         in_channels=info.get("in_channels", 3), **args)
+        if is_import_path(cfg.name):
             model = load_callable(cfg.name, "model.name")(cfg)
             if not isinstance(model, nn.Module):
                 raise UserError(f"config error: model.name: {cfg.name} returned "

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, TextIO
 
 import torch
@@ -23,7 +25,9 @@ log = logging.getLogger("dtrain")
 
 
 def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
-    """Rank 0 logs to the console and log.txt; rank N to log.rankN.txt (and the console if asked)."""
+    """Rank 0 logs to the console and log.txt; rank N to log.rankN.txt (and the console if asked).
+    Without a run directory yet, lines are kept until `attach_log_files` names it: a run writes
+    nothing there before the directory is known to be its own."""
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -33,11 +37,23 @@ def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
         console = _Console(sys.stderr)
         console.setFormatter(fmt)
         log.addHandler(console)
+    early = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
+    early.setFormatter(fmt)
+    log.addHandler(early)
     if run_dir is not None:
-        name = "log.txt" if rank == 0 else f"log.rank{rank}.txt"
-        handler = logging.FileHandler(os.path.join(run_dir, name), encoding="utf-8")
-        handler.setFormatter(fmt)
-        log.addHandler(handler)
+        attach_log_files(run_dir, rank)
+
+
+def attach_log_files(run_dir: str, rank: int) -> None:
+    """Log into the run directory from now on, the lines logged so far first."""
+    name = "log.txt" if rank == 0 else f"log.rank{rank}.txt"
+    handler = logging.FileHandler(os.path.join(run_dir, name), encoding="utf-8")
+    for early in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
+        handler.setFormatter(early.formatter)
+        early.setTarget(handler)
+        early.flush()
+        log.removeHandler(early)
+    log.addHandler(handler)
 
 
 class _Console(logging.StreamHandler):
@@ -55,6 +71,72 @@ class _Console(logging.StreamHandler):
         super().emit(record)
         if bar is not None:
             bar.redraw()
+
+
+# Dense bf16/fp16 peak FLOP/s of one GPU, by a name torch reports for it (for MFU).
+PEAK_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
+              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device, precision: str) -> Optional[float]:
+    """One device's peak for the run's precision where it is known (a GPU of the table in bf16
+    or fp16); None on CPUs and for fp32."""
+    if device.type != "cuda" or precision == "fp32":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class Throughput:
+    """What a record adds for token-based tasks: tokens/s, the model's FLOP/s (6 x parameters x
+    tokens/s: forward and backward of the weights' matrix products) and, where the devices' peak
+    is known, the fraction of it (MFU). Rates are of all ranks together."""
+    tokens_per_sample: Optional[int] = None
+    num_params: int = 0
+    peak_flops: Optional[float] = None  # all ranks' devices together
+
+    def figures(self, samples_per_s: float) -> dict[str, float]:
+        if not self.tokens_per_sample:
+            return {}
+        tokens = samples_per_s * self.tokens_per_sample
+        out = {"tokens_per_s": tokens, "flops_per_s": 6.0 * self.num_params * tokens}
+        if self.peak_flops:
+            out["mfu"] = out["flops_per_s"] / self.peak_flops
+        return out
+
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch), from the kernel's accounting: the
+    imports before any of dtrain's code ran count too. The time of this call where /proc has it
+    not."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+class StartupClock:
+    """How long each phase of start-up takes, from the process's start to the end of the first
+    step: logged once, so that a slow start names its phase."""
+
+    def __init__(self) -> None:
+        self.started = process_start_time()
+        self.last = self.started
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
+        return f"start-up: {parts} ({self.last - self.started:.2f} s since the process started)"
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -87,6 +169,7 @@ class Progress:
         self.epoch, self.epoch_steps = 0, 0
         self.epoch_started, self.first_done = 0.0, None
         self.latest: Optional[tuple[int, dict[str, Any]]] = None  # the last update, drawn or not
+        self.figures: dict[str, Any] = {}  # the last record's figures, kept across epochs
         self.shown_done = 0
         self.linked = False  # whether the console handler redraws the bar after each log line
         if self.bar:
@@ -103,6 +186,7 @@ class Progress:
         if self.first_done is None:  # a resumed epoch starts part-way: time only this attempt's steps
             self.first_done = done - 1
         self.latest = (done, record)
+        self.figures = record
         render = self.bar and (at_log_step or done >= self.epoch_steps
                                or now - self.last_draw >= self.REDRAW_S)
         if render:
@@ -113,6 +197,24 @@ class Progress:
         if render and not (at_log_step and self.linked):
             self.redraw()
 
+    def tick(self, done: int) -> None:
+        """A step without a record: on a terminal the bar's counter moves (with the last
+        record's figures, carried across epochs) at most every REDRAW_S; nothing else."""
+        if not self.bar:
+            return
+        now = time.monotonic()
+        if self.first_done is None:
+            self.first_done = done - 1
+        figures = self.latest[1] if self.latest is not None else self.figures
+        self.latest = (done, figures)
+        if now - self.last_draw >= self.REDRAW_S or done >= self.epoch_steps:
+            self._render(done, figures, now)
+            self.redraw()
+
+    def line_due(self) -> bool:
+        """Whether a plain-lines console owes a line: log.every_s passed without one."""
+        return not self.bar and time.monotonic() - self.last_line >= self.every_s
+
     def _render(self, done: int, record: dict[str, Any], now: float) -> None:
         self.last_draw, self.shown_done = now, done
         total = max(1, self.epoch_steps)
@@ -120,8 +222,9 @@ class Progress:
         rate = (done - self.first_done) / max(1e-9, elapsed)
         left = (total - done) / rate if rate > 0 else 0.0
         head = f"epoch {self.epoch} {100 * done // total:3d}%|"
-        tail = (f"| {done}/{total} [{_clock(elapsed)}<{_clock(left)}] loss {record['loss']:.4f} "
-                f"lr {record['lr']:.3g} {record['samples_per_s']:.0f} samples/s")
+        figures = (f" loss {record['loss']:.4f} lr {record['lr']:.3g} "
+                   f"{record['samples_per_s']:.0f} samples/s" if record else "")
+        tail = f"| {done}/{total} [{_clock(elapsed)}<{_clock(left)}]{figures}"
         # The line must never wrap, or \r no longer returns to its start: the bar gives way first.
         columns = _columns(self.stream) - 1
         width = max(5, min(self.BAR_WIDTH, columns - len(head) - len(tail)))
@@ -177,18 +280,26 @@ class RunLog:
                  superseded: Optional[str] = None) -> None:
         self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
         self.metrics: Optional[TextIO] = None
-        self.writer = None
+        self._writer = None
+        self.resumed_step = resumed_step
         self.progress = Progress(sys.stderr, cfg.log.progress, cfg.log.every_s)
         if not is_main:
             return
         path = os.path.join(run_dir, "metrics.jsonl")
         _drop_records_after(path, resumed_step, superseded)
         self.metrics = open(path, "a", encoding="utf-8")
-        if cfg.log.tensorboard:
+
+    @property
+    def writer(self) -> Any:
+        """The TensorBoard writer, made at the first record rather than on the way to the first
+        step (importing TensorBoard takes a while)."""
+        if self._writer is None and self.is_main and self.cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step: TensorBoard discards the events an earlier attempt wrote from this step
             # on (after the resumed checkpoint; all of them on a fresh start in a used directory).
-            self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resumed_step + 1)
+            self._writer = SummaryWriter(os.path.join(self.run_dir, "tb"),
+                                         purge_step=self.resumed_step + 1)
+        return self._writer
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -202,7 +313,8 @@ class RunLog:
         if at_log_step:
             self._write(record)
             if self.writer is not None:
-                for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_pct"):
+                for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_pct",
+                            "tokens_per_s", "flops_per_s", "mfu"):
                     if record.get(key) is not None:
                         self.writer.add_scalar(f"train/{key}", record[key], record["step"])
                 for key, value in extra_scalars.items():
@@ -217,8 +329,9 @@ class RunLog:
             return
         self._write(record)
         if self.writer is not None:
-            self.writer.add_scalar("val/loss", record["val_loss"], record["step"])
-            self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
+            for key, value in record.items():
+                if key.startswith("val_"):
+                    self.writer.add_scalar(f"val/{key[4:]}", value, record["step"])
             self.writer.flush()
 
     def hparams(self, step: int, final_metrics: dict[str, Optional[float]]) -> None:
@@ -240,9 +353,9 @@ class RunLog:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def _drop_records_after(path: str, step: int, superseded: Optional[str] = None) -> None:

@@ -1,7 +1,9 @@
-"""Optimizers and the learning-rate schedule (warmup, then cosine, step or plateau decay)."""
+"""Optimizers (with groups that exclude some parameters from weight decay) and the learning-rate
+schedule (warmup, then cosine, step or plateau decay), or the user's own by import path."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Any
 
@@ -9,19 +11,75 @@ import torch
 from torch import nn
 
 from dtrain.config import OptimConfig, SchedConfig
+from dtrain.errors import UserError
+from dtrain.imports import is_import_path, load_callable
+
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+         *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def no_decay_names(model: nn.Module, rule: Any) -> set[str]:
+    """Names of the parameters that get no weight decay. `auto` (as AdamW recipes do): biases,
+    the weights of normalisation layers, embeddings (nn.Embedding, and parameters whose name says
+    `embed`). A list: those matching any of its globs."""
+    names = set()
+    for module_name, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if rule == "auto":
+                if name == "bias" or isinstance(module, (*NORMS, nn.Embedding)) or "embed" in name:
+                    names.add(full)
+            elif any(fnmatch.fnmatchcase(full, pattern) for pattern in rule):
+                names.add(full)
+    return names
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
+    """One group with weight decay and one without (either left out when empty). A parameter
+    shared by two modules (tied weights) is in one group once."""
+    plain = model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model
+    exempt = no_decay_names(plain, cfg.no_decay)
+    decay, no_decay, seen = [], [], set()
+    for name, param in plain.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (no_decay if name in exempt else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """For the banner: the groups' sizes and weight decay."""
+    parts = []
+    for group in optimizer.param_groups:
+        count = sum(p.numel() for p in group["params"])
+        parts.append(f"{count:,} parameters with weight decay {group.get('weight_decay', 0):g}")
+    return "optimizer groups: " + "; ".join(parts)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Built after wrapping, so that under FSDP it holds the sharded parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(model, cfg)
+    if is_import_path(cfg.name):
+        optimizer = load_callable(cfg.name, "optim.name")(groups, cfg)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"config error: optim.name: {cfg.name} returned "
+                            f"{type(optimizer).__name__}, not a torch.optim.Optimizer")
+        return optimizer
+    # Fused kernels where torch has them for these parameters: one kernel per step, and a step
+    # that a device flag (found_inf) can skip, so that a non-finite step is decided on the
+    # device. torch has no DTensor rule for fused SGD: SGD under FSDP uses foreach.
+    fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
+        sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               fused=fused and not sharded or None)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=betas, eps=cfg.eps,
-                                weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
 
 
 class LRSchedule:
@@ -60,7 +118,7 @@ class LRSchedule:
 
     def on_eval(self, value: float) -> None:
         """Plateau: decay after `patience` evaluations without improvement of the monitored metric."""
-        if self.cfg.name != "plateau":
+        if self.cfg.name != "plateau" or value is None:
             return
         better = (self.plateau_best is None or
                   (value > self.plateau_best if self.monitor_mode == "max" else value < self.plateau_best))
@@ -84,3 +142,43 @@ class LRSchedule:
         self.plateau_bad_evals = int(state["plateau_bad_evals"])
         if "total_steps" in state:
             self.total_steps = int(state["total_steps"])
+
+
+class UserSchedule:
+    """A user's scheduler by import path (`sched.name: mypkg.sched:build`, called with the
+    optimizer, the schedule config and the run's total steps; it returns a torch LRScheduler or
+    anything with step(), state_dict() and load_state_dict()), stepped once per optimizer step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedConfig, total_steps: int) -> None:
+        self.total_steps = max(1, total_steps)
+        self.scheduler = load_callable(cfg.name, "sched.name")(optimizer, cfg, self.total_steps)
+        missing = [m for m in ("step", "state_dict", "load_state_dict")
+                   if not callable(getattr(self.scheduler, m, None))]
+        if missing:
+            raise UserError(f"config error: sched.name: {cfg.name} returned "
+                            f"{type(self.scheduler).__name__}, which has no {', '.join(missing)}")
+        self.stepped = 0
+
+    def apply(self, step: int) -> None:
+        while self.stepped < step:
+            self.scheduler.step()
+            self.stepped += 1
+
+    def on_eval(self, value: float) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"user": self.scheduler.state_dict(), "stepped": self.stepped,
+                "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["user"])
+        self.stepped = int(state["stepped"])
+        self.total_steps = int(state["total_steps"])
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: SchedConfig, base_lr: float,
+                   total_steps: int, monitor_mode: str) -> Any:
+    if is_import_path(cfg.name):
+        return UserSchedule(optimizer, cfg, total_steps)
+    return LRSchedule(optimizer, cfg, base_lr, total_steps, monitor_mode)

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dtrain import models, sharded_init
 from dtrain.config import Config
 from dtrain.dist import Runtime
 from dtrain.errors import UserError
+from dtrain.observe import log
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,11 +141,61 @@ def average_buffers(model: nn.Module) -> None:
         offset += b.numel()
 
 
-def wrap(model: nn.Module, cfg: Config, runtime: Runtime) -> nn.Module:
-    """Move the model to the device and apply the per-block features and the parallel mode."""
-    if cfg.parallel.sync_batchnorm and runtime.env.distributed and cfg.parallel.mode != "none":
-        model = convert_sync_batchnorm(model, runtime.device)
-    model.to(runtime.device)
+def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Module, int, list[str]]:
+    """The model for the run, wrapped for the parallel mode; its number of parameters; and a
+    note for the banner on how it was built.
+
+    Under FSDP each rank builds only its own shard (`sharded_init`): the model's constructor runs
+    with large tensors holding this rank's rows, the model is sharded on the meta device, and the
+    kept values fill the shards. A model whose construction cannot be replayed that way is built
+    whole on every rank and then sharded, with a warning saying why."""
+    def construct() -> nn.Module:
+        model = models.build(cfg.model, info, cfg.run.seed)
+        if cfg.parallel.sync_batchnorm and runtime.env.distributed and cfg.parallel.mode != "none":
+            model = convert_sync_batchnorm(model, runtime.device)
+        return model
+
+    if cfg.parallel.mode != "fsdp" or not runtime.env.distributed:
+        model = construct()
+        return wrap(model, cfg, runtime), _count(model), []
+    shards, index = shard_layout(cfg)
+    try:
+        model, params, buffers = sharded_init.build_local(construct, shards, index)
+    except sharded_init.NotReplayable as e:
+        log.warning(f"model {cfg.model.name}: its construction cannot be replayed shard by shard "
+                    f"({e}); building it whole on every rank, then sharding it")
+        model = construct()
+        return wrap(model, cfg, runtime), _count(model), [
+            f"model built whole on every rank, then sharded ({e})"]
+    count = _count(model)
+    wrapped = wrap(model, cfg, runtime, on_meta=True)
+    wrapped.to_empty(device=runtime.device)
+    sharded_init.materialize(wrapped, params, buffers)
+    return wrapped, count, [f"model constructed shard by shard: each rank built only its "
+                            f"own 1/{shards} of every large tensor (values as the whole model's)"]
+
+
+def shard_layout(cfg: Config) -> tuple[int, int]:
+    """How many shards FSDP cuts each parameter into, and which one this rank holds: the last
+    dimension of the (replicas, shards) mesh."""
+    world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
+    replicas = cfg.parallel.fsdp.hybrid_replicas
+    if world % replicas:
+        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
+                        f"the world size {world}")
+    shards = world // replicas
+    return shards, rank % shards
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False) -> nn.Module:
+    """Move the model to the device (unless it is on the meta device, to be materialised after
+    sharding) and apply the per-block features and the parallel mode."""
+    if not on_meta:
+        model.to(runtime.device)
     if cfg.model.channels_last:
         model.to(memory_format=torch.channels_last)
     mode = cfg.parallel.mode
@@ -206,6 +258,16 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime
             fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2 units back in their sharded state. A forward outside training (the start-up
+    check of the task) leaves units unsharded when reshard_after_forward is off, and the
+    optimizer must be built on the sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

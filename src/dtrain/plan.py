@@ -18,13 +18,13 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from dtrain import data, models, parallel
+from dtrain import data, models, parallel, tasks
 from dtrain.config import Config, dump
 from dtrain.env import Env
 from dtrain.errors import UserError
@@ -89,8 +89,10 @@ class Plan:
     device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
     train_size: int
     val_size: int
-    sample_shape: tuple[int, int, int]
-    num_classes: int
+    sample: str  # what one sample is, e.g. "3x32x32 images, 10 classes"
+    data_notes: list[str]  # e.g. the image size and transform a run would choose
+    model_bytes: int  # parameters and buffers of the whole model
+    largest_tensor: tuple[str, int]  # name and bytes of the largest parameter or buffer
     effective_batch: int
     steps_per_epoch: int
     total_steps: int
@@ -114,41 +116,41 @@ class Plan:
 # Data sizes without data
 
 def _dataset_shapes(cfg: Config) -> data.Datasets:
-    """Datasets of the right lengths whose samples are never read, with the sample shape."""
+    """Datasets of the right lengths whose samples are never read, with what models need (and,
+    for images, the size and transform a run would choose, as a note)."""
+    from dtrain.data import images
     dcfg = cfg.data
     if ":" in dcfg.name:  # a user's datasets: constructing them is the only way to learn the sizes
-        return data.build(dcfg, cfg.run.seed)
-    if dcfg.name == "synthetic":
+        return data.build(dcfg, cfg.run.seed, cfg.model.args)
+    if dcfg.name == "text":
+        from dtrain.data import text
+        seq_len = data.seq_len_of(dcfg, cfg.model.args)
+        train, val = text.window_counts(dcfg, seq_len)
+        return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val),
+                             info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len})
+    if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
+        (train_list, _, _), (val_list, _, _) = (images.list_split(dcfg.root, s) for s in ("train", "val"))
+        skip = dcfg.on_bad_sample == "skip"
+        sizes = [] if dcfg.image_size else (images.header_sizes(train_list, skip)
+                                            + images.header_sizes(val_list, skip))
+        size, why = images.choose_size(dcfg, sizes)
+        train, val, channels, classes = len(train_list.files), len(val_list.files), 3, \
+            len(train_list.classes)
+    elif dcfg.name == "synthetic" or dcfg.name in KNOWN_DATASETS:
         from dtrain import synthetic
-        sizes = (dcfg.synthetic.train_size, dcfg.synthetic.val_size, 3, synthetic.IMAGE_SIZE,
-                 len(synthetic.CLASSES))
-    elif dcfg.name in KNOWN_DATASETS:
-        sizes = KNOWN_DATASETS[dcfg.name]
-    elif dcfg.name == "imagefolder":
-        sizes = _count_image_folder(dcfg.root, dcfg.image_size or 224)
+        known = KNOWN_DATASETS.get(dcfg.name) or (dcfg.synthetic.train_size, dcfg.synthetic.val_size,
+                                                  3, synthetic.IMAGE_SIZE, len(synthetic.CLASSES))
+        train, val, channels, native_size, classes = known
+        size = dcfg.image_size or native_size
+        why = "their own size" if size == native_size else "data.image_size"
     else:
         data.build(dcfg, cfg.run.seed)  # raises the run's own error for an unknown name
         raise AssertionError("unreachable")
-    train, val, channels, size, classes = sizes
-    return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val), num_classes=classes,
-                         in_channels=channels, image_size=size)
-
-
-def _count_image_folder(root: str, image_size: int) -> tuple[int, int, int, int, int]:
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-    counts, classes = [], []
-    for split in ("train", "val"):
-        path = os.path.join(root, split)
-        if not os.path.isdir(path):
-            raise UserError(f"data error: image folder '{split}' not found under '{root}': "
-                            f"expected {path}/<class>/<image>")
-        try:
-            names, index = find_classes(path)
-            counts.append(len(make_dataset(path, index, extensions=IMG_EXTENSIONS)))
-        except (FileNotFoundError, RuntimeError) as e:
-            raise UserError(f"data error: {path}: {e}") from None
-        classes.append(names)
-    return counts[0], counts[1], 3, image_size, len(classes[0])
+    kind, kind_why = images.choose_transform(dcfg, size)
+    note = f"images {size}x{size} ({why}), transform {kind} ({kind_why})"
+    return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val),
+                         info={"num_classes": classes, "in_channels": channels, "image_size": size},
+                         notes=[note])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +284,7 @@ def _trace_saved(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor,
     return _Saved(outside, per_block, inputs[0])
 
 
-def activation_bytes(meta_model: nn.Module, cfg: Config, shape: tuple[int, int, int],
+def activation_bytes(meta_model: nn.Module, cfg: Config, example: Callable[[int], Any],
                      low: torch.dtype) -> dict[str, int]:
     """Saved-for-backward bytes of one micro-batch of `data.batch_size`, for 'fp32', 'autocast'
     (DDP's mixed precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs
@@ -300,7 +302,7 @@ def activation_bytes(meta_model: nn.Module, cfg: Config, shape: tuple[int, int, 
             model.to_empty(device="cpu").train()
             for kind in kinds:
                 autocast = low if kind == "autocast" else None
-                two, four = (_trace_saved(model, blocks, torch.empty(n, *shape, dtype=weights),
+                two, four = (_trace_saved(model, blocks, _cast(example(n), weights),
                                           autocast).retained(checkpointing) for n in (2, 4))
                 per_sample = (four - two) / 2
                 results[kind] = int(two - 2 * per_sample + per_sample * cfg.data.batch_size)
@@ -326,9 +328,16 @@ def _device(nproc: int, world: int) -> tuple[str, int, list[str]]:
     return "cpu", ram // nproc, warnings  # the node's ranks share its RAM
 
 
+def _cast(inputs: Any, dtype: torch.dtype) -> Any:
+    """Floating-point inputs in the weights' dtype (token ids stay integers)."""
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.to(dtype)
+    return inputs
+
+
 def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
     with torch.device("meta"):
-        return models.build(cfg.model, shapes, cfg.run.seed)
+        return models.build(cfg.model, shapes.info, cfg.run.seed)
 
 
 def _fsdp_shards(cfg: Config, world: int) -> int:
@@ -345,7 +354,8 @@ def _param_bytes(modules: list[nn.Module]) -> int:
 
 def _steps(cfg: Config, shapes: data.Datasets, world: int) -> tuple[int, int]:
     """Optimizer steps per epoch and in total, counted by the run's own loaders and sampler."""
-    train_loader = data.loaders(shapes, cfg.data, cfg.run.seed, 0, world, torch.device("cpu"),
+    train_loader = data.loaders(shapes.train, shapes.val, cfg.data, cfg.run.seed, 0, world,
+                                torch.device("cpu"),
                                 cfg.train.overfit_batches)[0]
     per_epoch = len(train_loader) // cfg.train.grad_accum
     if per_epoch < 1:
@@ -355,12 +365,16 @@ def _steps(cfg: Config, shapes: data.Datasets, world: int) -> tuple[int, int]:
     return per_epoch, min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
-def _activations(model: nn.Module, cfg: Config, shape: tuple[int, int, int], low: str
+def _activations(model: nn.Module, cfg: Config, info: dict[str, Any], low: str
                  ) -> tuple[dict[tuple[str, str], Optional[int]], str]:
     """Activation bytes per (mode, precision), and a note when the forward cannot be traced."""
+    task = tasks.build(cfg.task, info)
+    make = getattr(task, "example_input", None)
     try:
+        if make is None:
+            raise ValueError("the task has no example_input(info, batch_size)")
         traced: dict[str, Optional[int]] = dict(activation_bytes(
-            model, cfg, shape, torch.float16 if low == "fp16" else torch.bfloat16))
+            model, cfg, lambda n: make(info, n), torch.float16 if low == "fp16" else torch.bfloat16))
         note = ""
     except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
         traced = {"fp32": None, "autocast": None, "cast": None}
@@ -426,7 +440,6 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
 
     shapes = _dataset_shapes(cfg)
     steps_per_epoch, total_steps = _steps(cfg, shapes, world)
-    shape = (shapes.in_channels, shapes.image_size, shapes.image_size)
 
     model = _build_meta_model(cfg, shapes)
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
@@ -435,7 +448,7 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
     ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
-    activations, note = _activations(model, cfg, shape, low)
+    activations, note = _activations(model, cfg, shapes.info, low)
 
     largest_block = max((_param_bytes([b]) for b in blocks), default=0)
     block_bytes = _param_bytes(blocks)
@@ -459,7 +472,8 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
         "sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
     plan = Plan(cfg=cfg, world_size=world, nproc=nproc, nnodes=nnodes, device=device, backend=backend,
                 device_bytes=device_bytes, train_size=len(shapes.train), val_size=len(shapes.val),
-                sample_shape=shape, num_classes=cfg.model.num_classes or shapes.num_classes,
+                sample=_describe_sample(cfg, shapes.info), data_notes=shapes.notes,
+                model_bytes=_tensor_bytes(model), largest_tensor=_largest_tensor(model),
                 effective_batch=cfg.data.batch_size * world * cfg.train.grad_accum,
                 steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                 num_params=sum(p.numel() for p in model.parameters()), num_blocks=len(blocks),
@@ -472,6 +486,29 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
     if too_big:
         plan.warnings.append(too_big)
     return plan
+
+
+def _describe_sample(cfg: Config, info: dict[str, Any]) -> str:
+    if "vocab_size" in info:
+        return f"windows of {info['seq_len'] + 1} tokens (vocabulary {info['vocab_size']})"
+    if "image_size" in info:
+        classes = cfg.model.num_classes or info.get("num_classes")
+        size = info["image_size"]
+        return f"{info['in_channels']}x{size}x{size} images, {classes} classes"
+    return "samples as the user's dataset makes them"
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _largest_tensor(model: nn.Module) -> tuple[str, int]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    if not named:
+        return "", 0
+    name, tensor = max(named, key=lambda item: item[1].numel() * item[1].element_size())
+    return name, tensor.numel() * tensor.element_size()
 
 
 def _mode(cfg: Config) -> str:
@@ -498,8 +535,9 @@ def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
         f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
         f"{p.device} | backend {p.backend or 'none (single process)'} | mode {c.parallel.mode} | "
         f"precision {c.train.precision}",
-        f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples of "
-        f"{'x'.join(map(str, p.sample_shape))}, {p.num_classes} classes{overfit}",
+        f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples, "
+        f"{p.sample}{overfit}",
+        *(f"              {note}" for note in p.data_notes),
         f"  batch       effective {p.effective_batch} = {c.data.batch_size} per rank x "
         f"{p.world_size} rank(s) x {c.train.grad_accum} accumulation",
         f"  steps       {p.steps_per_epoch} per epoch; {p.total_steps} in total over "
@@ -529,6 +567,19 @@ def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
     ]
     if p.activation_note:
         lines.append(f"  {p.activation_note}")
+    name, largest = p.largest_tensor
+    lines += [
+        "",
+        "building and loading the model",
+        f"  ddp   every rank builds the whole model: {_size(p.model_bytes)} of parameters and "
+        f"buffers",
+        f"  fsdp  every rank builds only its shard (the constructor replayed row by row; "
+        f"unless it cannot be, which the run says): at most one whole tensor at a time besides "
+        f"the shards, the largest {_size(largest)} ({name})",
+        "  a full checkpoint or model.init_from file is read by rank 0 alone (memory-mapped) and "
+        "broadcast: each rank keeps what it holds; sharded checkpoints are read by every rank, "
+        "each its own shards",
+    ]
     lines += ["", "communication per optimizer step per rank"]
     if p.world_size == 1:
         lines.append("  none: a single rank")

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from dtrain import (checkpoint, data, dist, env as env_mod, models, optim, parallel, profiling,
-                    records, signals, slurm)
+                    records, signals, slurm, tasks)
 from dtrain.checkpoint.state import reseed
+from dtrain.checkpoint.weights import StartingWeights
 from dtrain.checkpoint.store import RunDirLock, Store, check_shared
 from dtrain.config import Config, dump
 from dtrain.errors import PeerFailure, UserError
-from dtrain.observe import RunLog, log, setup_logging
-from dtrain.trainer import Trainer, TrainState
+from dtrain.observe import (RunLog, StartupClock, Throughput, attach_log_files, log, peak_flops,
+                            setup_logging)
+from dtrain.trainer import Callbacks, Trainer, TrainState
 
 
 def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: Optional[str] = None) -> None:
@@ -112,18 +114,42 @@ def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[An
     return torch.amp.GradScaler(device.type, init_scale=cfg.train.loss_scale_init)
 
 
+@dataclass
+class Pieces:
+    """What a run trains, built and checked before anything is written."""
+    datasets: data.Datasets
+    loaders: tuple
+    task: tasks.Task
+    model: nn.Module  # wrapped for the parallel mode
+    num_params: int
+    is_fsdp: bool
+    steps_per_epoch: int
+    notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
+    starting_weights: Optional[StartingWeights]  # model.init_from / pretrained, checked
+
+
 def train(cfg: Config, config_path: Optional[str] = None) -> str:
     """Run training; returns 'finished' or 'preempted'. Raises UserError for bad input."""
+    clock = StartupClock()
+    clock.mark("imports")
     env = env_mod.detect()
     resolve_run_name(cfg, env, config_path)
     check_layout(cfg, env)
-    runtime = dist.init(env, cfg.dist)
+    runtime = dist.init(env, cfg.dist, cpu_collectives=cfg.parallel.mode == "fsdp"
+                        and cfg.parallel.fsdp.cpu_offload)
+    clock.mark("process group")
+    # The console from now on; the run directory's log files once the directory is this run's.
+    setup_logging(None, dist.rank(), cfg.log.all_ranks)
     signals.install()
     lock = RunDirLock(cfg.run_dir)
     record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
+    loaders: tuple = ()
     try:
+        pieces = build_pieces(cfg, runtime, clock)
+        loaders = pieces.loaders
         claim_run_dir(cfg, lock, env)
-        outcome = _train(cfg, runtime, record)
+        attach_log_files(cfg.run_dir, dist.rank())
+        outcome = _train(cfg, runtime, record, pieces, clock)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
         # No rank leaves before rank 0 has published the last checkpoint and requeued: under
@@ -131,57 +157,87 @@ def train(cfg: Config, config_path: Optional[str] = None) -> str:
         dist.barrier()
         return outcome
     except BaseException as e:
+        if isinstance(e, UserError):
+            dist.announce_abort(str(e))  # the other ranks stop with the same line
         record.fail(e)
         raise
     finally:
+        data.close_loaders(loaders)
         signals.uninstall()
         lock.release()
         dist.shutdown()
 
 
-def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord) -> str:
+def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pieces:
+    """Data, task and model, wrapped for the parallel mode, and the task tried once on a
+    validation batch: a task or model that cannot work ends here, with nothing written."""
     rank, world = dist.rank(), dist.world_size()
-    run_dir = cfg.run_dir
-    setup_logging(run_dir, rank, cfg.log.all_ranks)
-    record.start(run_dir)
-    if dist.is_main():
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(dump(cfg))
     _set_torch_flags(cfg)
     reseed(cfg.run.seed)
-
     overfit = cfg.train.overfit_batches
     data_cfg = cfg.data
-    if overfit:  # overfitting a fixed set of batches: the same images every time
+    if overfit:  # overfitting a fixed set of batches: the same samples every time
         data_cfg = dataclasses.replace(data_cfg, augment=False)
-    datasets = data.build(data_cfg, cfg.run.seed)
-    loaders = data.loaders(datasets, data_cfg, cfg.run.seed, rank, world, runtime.device, overfit)
-    try:
-        return _train_with(cfg, runtime, record, datasets, loaders)
-    finally:
-        data.close_loaders(loaders)
-
-
-def _train_with(cfg: Config, runtime: dist.Runtime, record: records.RunRecord,
-                datasets: data.Datasets, loaders: tuple) -> str:
-    rank, overfit, run_dir = dist.rank(), cfg.train.overfit_batches, cfg.run_dir
+    datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
+    workers, why = data.workers_for(data_cfg, runtime.env.local_world_size)
+    notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
+    loaders = data.loaders(datasets.train, datasets.val, data_cfg, cfg.run.seed, rank, world,
+                           runtime.device, overfit, workers)
     if overfit:
-        log.info(f"overfit check: the same {overfit} batch(es) per rank every epoch, augmentation "
-                 f"off; the training loss should fall towards 0")
+        notes.append(f"overfit check: the same {overfit} batch(es) per rank every epoch, "
+                     f"augmentation off; the training loss should fall towards 0")
     steps_per_epoch = len(loaders[0]) // cfg.train.grad_accum
     if steps_per_epoch < 1:
         raise UserError(f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
                         f"train.grad_accum={cfg.train.grad_accum}; lower one of them")
-
-    model = models.build(cfg.model, datasets, cfg.run.seed)
-    num_params = sum(p.numel() for p in model.parameters())
+    task = tasks.build(cfg.task, datasets.info)
+    clock.mark("data")
     is_fsdp = cfg.parallel.mode == "fsdp" and runtime.env.distributed
-    wrapped = parallel.wrap(model, cfg, runtime)
+    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, runtime)
+    notes += model_notes
+    clock.mark("model and wrap")
+    _check_task(cfg, task, wrapped, loaders[2], runtime.device, datasets.on_device)
+    if is_fsdp:
+        parallel.reshard(wrapped)
+    starting = StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained \
+        else None
+    clock.mark("task check")
+    return Pieces(datasets, loaders, task, wrapped, num_params, is_fsdp, steps_per_epoch, notes,
+                  starting)
+
+
+def _check_task(cfg: Config, task: tasks.Task, model: nn.Module, val_loader: Any,
+                device: torch.device, on_device: Any) -> None:
+    """The task once on the first validation batch, on every rank; the first problem any rank
+    finds ends every rank with the same line (exit 2)."""
+    batch = data.to_device(next(iter(val_loader)), device, on_device, cfg.model.channels_last)
+    dtype = parallel.PRECISION_DTYPES[cfg.train.precision]
+    autocast = torch.autocast(device.type, dtype=dtype,
+                              enabled=dtype != torch.float32 and cfg.parallel.mode != "fsdp")
+    try:
+        with autocast:
+            problem = tasks.check(task, model, batch, cfg.ckpt.monitor)
+    except UserError as e:
+        problem = str(e)
+    problems = [p for p in dist.gather_objects(problem) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces: Pieces,
+           clock: StartupClock) -> str:
+    rank, run_dir = dist.rank(), cfg.run_dir
+    record.start(run_dir)
+    if dist.is_main():
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(dump(cfg))
+    wrapped, steps_per_epoch, is_fsdp = pieces.model, pieces.steps_per_epoch, pieces.is_fsdp
     optimizer = optim.build_optimizer(wrapped, cfg.optim)
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    schedule = optim.LRSchedule(optimizer, cfg.sched, cfg.optim.lr, total_steps, cfg.ckpt.monitor_mode)
+    schedule = optim.build_schedule(optimizer, cfg.sched, cfg.optim.lr, total_steps,
+                                    cfg.ckpt.monitor_mode)
     scaler = make_scaler(cfg, runtime.device, is_fsdp)
     torch.manual_seed(cfg.run.seed + 1 + rank)  # per-rank randomness from here on (dropout)
 
@@ -194,33 +250,44 @@ def _train_with(cfg: Config, runtime: dist.Runtime, record: records.RunRecord,
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
 
-    model_info = {"num_classes": cfg.model.num_classes or datasets.num_classes,
-                  "in_channels": datasets.in_channels, "image_size": datasets.image_size}
     checkpoints = checkpoint.Checkpointer(cfg, Store(run_dir), wrapped, optimizer, extra_state,
-                                          load_extra_state, runtime.device, is_fsdp, model_info)
+                                          load_extra_state, runtime.device, is_fsdp,
+                                          models.model_info(cfg.model, pieces.datasets.info))
     state = TrainState()
     resumed = checkpoints.resume()
     if resumed:
         state = TrainState(**{f.name: resumed[f.name] for f in fields(TrainState)})
         _reconcile_schedule(schedule, checkpoints.config_changes, total_steps)
+        if pieces.starting_weights:
+            log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
+    elif pieces.starting_weights:
+        log.info(pieces.starting_weights.load(wrapped))
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
-    _banner(cfg, runtime, num_params, steps_per_epoch, run_dir, resumed)
-    trainer = Trainer(cfg, wrapped, optimizer, schedule, scaler, loaders, runtime.device, is_fsdp,
-                      run_log, checkpoints, state)
-    trainer.on_first_step = lambda: _log_state_bytes(wrapped, optimizer, is_fsdp)
-    trainer.after_save = record.update
+    pieces.notes.append(optim.describe_groups(optimizer))
+    clock.mark("run directory and resume")
+    _banner(cfg, runtime, pieces, run_dir, resumed)
+    profiler = profiling.Profiler(cfg.log.profile, run_dir, rank, runtime.device)
+    def first_step() -> dict[str, Any]:
+        clock.mark("first step")
+        log.info(clock.line())
+        return _log_state_bytes(wrapped, optimizer, is_fsdp)
+
+    callbacks = Callbacks(first_step=first_step, step_end=profiler.step, saved=record.update)
     if runtime.env.slurm_job_id and dist.is_main():
         job_id = runtime.env.slurm_job_id
-        trainer.before_stop_save = lambda last_save_s: slurm.check_grace(job_id, last_save_s)
-    profiler = profiling.Profiler(cfg.log.profile, run_dir, rank, runtime.device)
-    trainer.after_step = profiler.step
+        callbacks.before_stop_save = lambda last_save_s: slurm.check_grace(job_id, last_save_s)
+    peak = peak_flops(runtime.device, cfg.train.precision)
+    throughput = Throughput(getattr(pieces.task, "tokens_per_sample", None), pieces.num_params,
+                            peak * dist.world_size() if peak else None)
+    trainer = Trainer(cfg, wrapped, pieces.task, optimizer, schedule, scaler, pieces.loaders,
+                      runtime.device, is_fsdp, run_log, checkpoints, state, callbacks, throughput,
+                      pieces.datasets)
     try:
         profiler.start()
         outcome = _fit_naming_lost_peers(trainer, cfg)
         profiler.stop()
-        run_log.hparams(state.step, {"val_loss": state.last_eval.get("val_loss"),
-                                     "val_acc": state.last_eval.get("val_acc"),
-                                     f"best_{cfg.ckpt.monitor}": state.best_metric})
+        final = {k: v for k, v in state.last_eval.items() if k.startswith("val_")}
+        run_log.hparams(state.step, {**final, f"best_{cfg.ckpt.monitor}": state.best_metric})
     finally:
         run_log.close()
     record.update(state, outcome)
@@ -232,7 +299,7 @@ def _train_with(cfg: Config, runtime: dist.Runtime, record: records.RunRecord,
 _SCHEDULE_KEYS = ("train.epochs", "train.max_steps", "data.batch_size", "train.grad_accum", "sched.")
 
 
-def _reconcile_schedule(schedule: optim.LRSchedule, changes: list[str], total_steps: int) -> None:
+def _reconcile_schedule(schedule: Any, changes: list[str], total_steps: int) -> None:
     """A resumed schedule keeps the length it had when the run started (another world size does
     not bend it), unless the user changed the run's length on purpose."""
     if any(change.startswith(_SCHEDULE_KEYS) for change in changes):
@@ -248,6 +315,9 @@ def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a failed collective
         if not dist.is_distributed() or not dist.is_collective_failure(e):
             raise
+        announced = dist.abort_message()
+        if announced is not None:  # another rank stopped on bad input: the same line, exit 2
+            raise UserError(announced) from None
         step = trainer.state.step + 1
         missing = dist.ranks_not_arriving(f"step{step}")
         who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
@@ -275,8 +345,8 @@ def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, is_fsdp
     return {"state_bytes": sizes["total"], "state_bytes_unsharded": sizes["unsharded"]}
 
 
-def _banner(cfg: Config, runtime: dist.Runtime, num_params: int, steps_per_epoch: int,
-            run_dir: str, resumed: Optional[dict]) -> None:
+def _banner(cfg: Config, runtime: dist.Runtime, pieces: Pieces, run_dir: str,
+            resumed: Optional[dict]) -> None:
     env = runtime.env
     world = dist.world_size()
     effective = cfg.data.batch_size * world * cfg.train.grad_accum
@@ -285,7 +355,10 @@ def _banner(cfg: Config, runtime: dist.Runtime, num_params: int, steps_per_epoch
         source += f" (world size {resumed['world_size']} -> {world})"
     log.info(f"dtrain | {env.describe()} | device {runtime.device} | backend "
              f"{runtime.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}")
-    log.info(f"model {cfg.model.name}: {num_params / 1e6:.3f} M parameters | data {cfg.data.name} | "
-             f"effective batch {effective} = {cfg.data.batch_size} per rank x {world} rank(s) x "
-             f"{cfg.train.grad_accum} accumulation | {steps_per_epoch} steps per epoch")
+    log.info(f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
+             f"{cfg.task.name} | data {cfg.data.name} | effective batch {effective} = "
+             f"{cfg.data.batch_size} per rank x {world} rank(s) x {cfg.train.grad_accum} "
+             f"accumulation | {pieces.steps_per_epoch} steps per epoch")
+    for note in pieces.notes:
+        log.info(note)
     log.info(f"run directory {run_dir} | {source}")

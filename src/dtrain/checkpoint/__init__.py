@@ -3,9 +3,10 @@
 `store` owns the files (markers, order, rotation, the run directory's lock); `state` knows what a
 checkpoint holds and how to read it safely. The `Checkpointer` here puts them together for a run:
 
-- A save writes into a temporary folder, every rank reports the files it wrote, rank 0 renames the
-  folder into place, writes the marker and `latest`, rotates, and only then do the ranks go on
-  (a barrier), so no rank can exit while the newest checkpoint is still being published.
+- A save writes into a temporary folder, every rank reports the files it wrote, rank 0 writes the
+  marker into it and renames the folder into place, updates `latest`, rotates, and only then do
+  the ranks go on (they agree on the outcome), so no rank can exit while the newest checkpoint is
+  still being published.
 - Resuming: rank 0 chooses (the newest complete checkpoint, or `ckpt.resume: PATH`) and every
   rank loads exactly that one. A checkpoint is read and checked completely before anything of it
   is applied: a failed attempt leaves the fresh model, optimizer and random states untouched.
@@ -109,9 +110,12 @@ class Checkpointer:
             import torch.distributed as torch_dist
             self._save_group = torch_dist.new_group(backend="gloo")
             self._save_device = torch.device("cpu")
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         # The model's keys and full shapes, to refuse a checkpoint of another model up front.
-        self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+        # (The module's own state_dict has the names and global shapes the distributed
+        # state-dict API uses; importing that API costs half a second, not to be paid before
+        # the first step of a fresh start.)
+        plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self._shapes = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
         self._full_data: Optional[dict[str, Any]] = None
         if dist.is_main():
             store.prepare()
@@ -332,7 +336,7 @@ class Checkpointer:
                 self._full_data = data  # kept on rank 0 only; the others receive what they need
             else:
                 meta = load_file(os.path.join(folder, META_FILE))
-                self._check_shapes(folder, _dcp_model_shapes(folder))
+                self._check_shapes(folder, ckpt_state.dcp_model_shapes(folder))
             return folder, fmt, meta
 
         try:
@@ -362,17 +366,9 @@ class Checkpointer:
 
     def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
         """Refuse a checkpoint of another model before anything is loaded into this one."""
-        ours = self._shapes
-        missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
-        if missing or unexpected:
-            raise UserError(f"checkpoint error: {folder}: checkpoint is from a different model: "
-                            f"{len(missing)} key(s) missing (e.g. {missing[:3]}), {len(unexpected)} "
-                            f"unexpected (e.g. {unexpected[:3]})")
-        wrong = [k for k in sorted(ours) if ours[k] != saved[k]]
-        if wrong:
-            raise UserError(f"checkpoint error: {folder}: checkpoint is from a different model: "
-                            f"{wrong[0]} has shape {list(saved[wrong[0]])} there, "
-                            f"{list(ours[wrong[0]])} here ({len(wrong)} such key(s))")
+        problem = ckpt_state.shape_mismatch(self._shapes, saved)
+        if problem:
+            raise UserError(f"checkpoint error: {folder}: {problem}")
 
     def _apply_full(self, folder: str) -> None:
         """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
@@ -423,17 +419,3 @@ def _empty_like(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_empty_like(v) for v in obj]
     return obj
-
-
-def _dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    """The model's keys and shapes as DCP's metadata lists them (read through the allow-list)."""
-    try:
-        metadata = ckpt_state.safe_reader(os.path.join(folder, DCP_DIR)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
-        raise UserError(f"checkpoint error: {folder}: its DCP metadata is unreadable: "
-                        f"{first_line(e)}") from None
-    shapes = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(item, "size"):
-            shapes[key[len("model."):]] = tuple(item.size)
-    return shapes

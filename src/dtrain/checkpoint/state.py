@@ -13,7 +13,7 @@ import io
 import os
 import pickle
 import random
-from typing import Any
+from typing import Any, Optional
 
 import numpy
 import torch
@@ -62,6 +62,22 @@ def reseed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def shape_mismatch(ours: dict[str, tuple], theirs: dict[str, tuple], strict: bool = True
+                   ) -> Optional[str]:
+    """What keeps weights named and shaped as `theirs` from loading into a model with `ours`
+    (None when they fit): keys missing or unexpected (only when `strict`), or a different shape."""
+    missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    if strict and (missing or unexpected):
+        return (f"checkpoint is from a different model: {len(missing)} key(s) missing (e.g. "
+                f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+    wrong = [k for k in sorted(ours.keys() & theirs.keys()) if tuple(ours[k]) != tuple(theirs[k])]
+    if wrong:
+        return (f"checkpoint is from a different model: {wrong[0]} has shape "
+                f"{list(theirs[wrong[0]])} there, {list(ours[wrong[0]])} here "
+                f"({len(wrong)} such key(s))")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +173,20 @@ def _dcp_reason(error: BaseException) -> str:
         inner = inner[0] if isinstance(inner, tuple) else inner
         return f"{type(inner).__name__}: {first_line(inner)}"
     return first_line(error)
+
+
+def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """The model's keys and shapes as DCP's metadata lists them (read through the allow-list)."""
+    try:
+        metadata = safe_reader(os.path.join(folder, DCP_DIR)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
+        raise UserError(f"checkpoint error: {folder}: its DCP metadata is unreadable: "
+                        f"{first_line(e)}") from None
+    shapes = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(item, "size"):
+            shapes[key[len("model."):]] = tuple(item.size)
+    return shapes
 
 
 def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:

@@ -6,7 +6,9 @@ Layout of `<run dir>/`:
     .lock                                   held by rank 0 of the run that owns the directory
     checkpoints/
         step_000120-epoch_01-val_acc_0.9412/   one checkpoint (the name is for people)
-            COMPLETE                        written last: save number, step, format, every file's size
+            COMPLETE                        save number, step, format, every file's size: written
+                                            last into the temporary folder, whose rename into
+                                            place makes the checkpoint complete
         latest                              the name of the newest complete checkpoint
         .tmp-step_.../                      a save in progress (never loaded; removed at start-up)
     superseded/<time>/                      checkpoints (and records) of a history that was left:
@@ -262,8 +264,12 @@ class Store:
         return tmp
 
     def publish(self, name: str, tmp: str, marker: dict[str, Any], files: dict[str, int]) -> str:
-        """After every file is on disk: rename into place, write the marker (with the next save
-        number) and `latest`. Returns the checkpoint's folder."""
+        """After every file is on disk (fsynced by its writer): the marker (with the next save
+        number) goes into the temporary folder, and renaming the folder into place is the one
+        step that makes the checkpoint complete; then `latest`. Three fsyncs beyond the data's:
+        the marker, the temporary folder, the checkpoints folder. `latest` is for people and
+        tools (resuming follows the markers), so it is replaced atomically but not fsynced.
+        Returns the checkpoint's folder."""
         final = os.path.join(self.dir, name)
         if os.path.exists(final):  # only an incomplete one can be there; a complete one is kept
             if read_marker(final) is not None:
@@ -271,13 +277,19 @@ class Store:
                                "a checkpoint of the same name")
             else:
                 shutil.rmtree(final)
+        newest = self.complete()
+        marker = dict(marker, seq=(newest[0].seq if newest else 0) + 1, files=files)
+        with open(os.path.join(tmp, MARKER), "wb") as f:
+            f.write(json.dumps(marker, indent=1).encode())
+            f.flush()
+            os.fsync(f.fileno())
         fsync_dir(tmp)
         os.replace(tmp, final)
         fsync_dir(self.dir)
-        newest = self.complete()
-        marker = dict(marker, seq=(newest[0].seq if newest else 0) + 1, files=files)
-        write_atomic(os.path.join(final, MARKER), json.dumps(marker, indent=1).encode())
-        write_atomic(os.path.join(self.dir, LATEST), (name + "\n").encode())
+        latest = os.path.join(self.dir, LATEST)
+        with open(latest + ".tmp", "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+        os.replace(latest + ".tmp", latest)
         return final
 
     def rotate(self, keep_last: int, keep_best: int, monitor: str, mode: str) -> None:

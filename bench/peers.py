@@ -1,0 +1,110 @@
+"""Side by side with the peers: the same job (bench/job.py: model, data, batch, optimizer, seed;
+2 ranks, DDP on gloo) trained by dtrain, the plain loop, Lightning's Trainer, Lightning Fabric and
+Hugging Face Accelerate, alternated over rounds.
+
+- Steady-state step time: 200 steps each; the median time per step between steps 50 and 200
+  from each program's own clock (dtrain: its records every 50 steps; the others: their step ends).
+- Start-up: from launching `torchrun` to the end of the first step (a 2-step run of each).
+- First losses (mean over ranks, steps 1-5): the same for all five when they train the same thing.
+
+The peers are the optional `bench` extra (`pip install -e '.[bench]'`); without them the
+benchmark says so and compares dtrain with the plain loop only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Figure  # noqa: E402
+
+NPROC, STEPS, WINDOW, BATCH, WIDTH = 2, 200, 50, 64, 16
+PEERS = {"lightning": "lightning", "fabric": "lightning", "accelerate": "accelerate"}
+PEER_LOOPS = str(common.REPO / "bench" / "peer_loops.py")
+
+
+def _job_args(steps: int) -> list[str]:
+    return [f"--steps={steps}", f"--batch={BATCH}", f"--width={WIDTH}",
+            f"--train-size={steps * BATCH * NPROC}"]
+
+
+def _dtrain(work: Path, tag: str, steps: int, log_every: int) -> Path:
+    run_dir = work / "runs" / f"dtrain-{tag}"
+    common.run(common.dtrain_cmd(run_dir, [
+        "model.name=simple_cnn", f"model.args={{width: {WIDTH}}}", "data.name=synthetic",
+        f"data.synthetic.train_size={steps * BATCH * NPROC}", "data.synthetic.val_size=128",
+        f"data.batch_size={BATCH}", "data.num_workers=0", "optim.lr=0.05", "sched.name=none",
+        f"train.max_steps={steps}", f"train.log_every={log_every}", "train.eval_every_epochs=0",
+        "ckpt.every_epochs=0", "log.tensorboard=true", "log.progress=lines"], NPROC))
+    return run_dir
+
+
+def _other(work: Path, kind: str, tag: str, steps: int) -> dict:
+    out = work / f"{kind}-{tag}"
+    script = [common.PLAIN] if kind == "plain" else [PEER_LOOPS, "--framework", kind]
+    common.run([*common.launcher(NPROC), *script, *_job_args(steps), f"--out={out}"])
+    return json.loads((out / "result.json").read_text())
+
+
+def step_time(work: Path, kind: str, tag: str) -> float:
+    if kind == "dtrain":
+        events = [t for step, t in common.scalar_events(_dtrain(work, f"steady-{tag}", STEPS, WINDOW))]
+        return (events[-1] - events[0]) / (STEPS - WINDOW)
+    ends = _other(work, kind, f"steady-{tag}", STEPS)["step_ends"]
+    return (ends[STEPS - 1] - ends[WINDOW - 1]) / (STEPS - WINDOW)
+
+
+def start_up(work: Path, kind: str, tag: str) -> float:
+    launched = time.time()
+    if kind == "dtrain":
+        return common.scalar_events(_dtrain(work, f"start-{tag}", 2, 1))[0][1] - launched
+    return _other(work, kind, f"start-{tag}", 2)["first_step_end"] - launched
+
+
+def first_losses(work: Path, kind: str) -> list[float]:
+    if kind == "dtrain":
+        records = common.records(_dtrain(work, "losses", 5, 1))
+        return [r["loss"] for r in records if "loss" in r][:5]
+    return _other(work, kind, "losses", 5)["losses"][:5]
+
+
+def run(work: Path, rounds: int = 3) -> list[Figure]:
+    kinds = ["dtrain", "plain"]
+    missing = [name for name, module in PEERS.items() if importlib.util.find_spec(module) is None]
+    kinds += [name for name in PEERS if name not in missing]
+    steps: dict[str, list[float]] = {k: [] for k in kinds}
+    starts: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(rounds):
+        for kind in kinds:  # alternated: a slow moment of the machine falls on all of them
+            steps[kind].append(step_time(work, kind, str(i)))
+            starts[kind].append(start_up(work, kind, str(i)))
+    losses = {kind: first_losses(work, kind) for kind in kinds}
+    plain_step, plain_start = common.median(steps["plain"]), common.median(starts["plain"])
+    figures = []
+    for kind in kinds:
+        step, start = common.median(steps[kind]), common.median(starts[kind])
+        goal = "<= 1.02" if kind == "dtrain" else ""
+        figures.append(Figure(
+            f"peers: step time {kind}/plain (2-rank DDP)", step / plain_step, "x", goal,
+            f"{step * 1e3:.1f} ms; rounds {', '.join(f'{a / b:.3f}' for a, b in zip(steps[kind], steps['plain']))}"))
+        figures.append(Figure(
+            f"peers: start-up to first step end, {kind} - plain", start - plain_start, "s",
+            "<= 0.5s" if kind == "dtrain" else "",
+            f"{start:.2f} s; rounds {', '.join(f'{a - b:+.2f}' for a, b in zip(starts[kind], starts['plain']))}"))
+    same = all(abs(a - b) <= 1e-5 for k in kinds for a, b in zip(losses[k], losses["plain"]))
+    figures.append(Figure("peers: first losses agree", float(same), "", "",
+                          "; ".join(f"{k} {', '.join(f'{v:.5f}' for v in losses[k][:3])}" for k in kinds)))
+    if missing:
+        figures.append(Figure("peers: not installed", len(missing), "", "",
+                              f"{', '.join(missing)}: pip install -e '.[bench]' to compare them"))
+    return figures
+
+
+if __name__ == "__main__":
+    common.run_standalone(run)

@@ -1,0 +1,448 @@
+"""Image datasets: the built-in synthetic set, CIFAR-10, MNIST and Fashion-MNIST (held in memory as
+uint8), and image folders (listed once, decoded sample by sample in the loader workers).
+
+Every image reaches the device as uint8 and is normalised there (`Normalize`): a quarter of the
+bytes of float32 cross from host to device. What happens to a sample before (`Transform`) is a
+pure function of (seed, epoch, sample index), with torchvision's operations on uint8 tensors:
+
+- `cifar`: pad 4 and a random crop back to the size, and a random horizontal flip;
+- `imagenet`: RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and a flip for training; for
+  validation, resize the shorter side to size x 256/224 and crop the centre;
+- `none`: resize to the size, nothing random.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from dtrain import dist, synthetic
+from dtrain.config import DataConfig
+from dtrain.data.loaders import Stacked
+from dtrain.data.sampler import SampleKey, epoch_and_index, sample_random
+from dtrain.errors import UserError
+
+CROP_PADDING = 4
+NATIVE_MAX = 64  # images this small (and all of one square size) keep their own size
+HEADER_SAMPLE = 256  # image headers read per split to decide the size
+IMAGENET_NORM = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+NAMES = ("synthetic", "cifar10", "mnist", "fashion_mnist", "imagefolder")
+
+
+# ---------------------------------------------------------------------------------------------
+# On the device
+
+class Normalize:
+    """(uint8 images, labels) -> (normalised float32 images, labels), applied on the device:
+    (x - 255 mean) / (255 std), as two roundings (subtract, then multiply by the inverse)."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        channels = len(mean)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(channels, 1, 1) * 255
+        self.inv_std = 1.0 / (torch.tensor(std, dtype=torch.float32).view(channels, 1, 1) * 255)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, batch: Any) -> Any:
+        images, labels = batch
+        device = images.device
+        if device not in self._on:
+            self._on[device] = (self.mean.to(device), self.inv_std.to(device))
+        mean, inv_std = self._on[device]
+        return images.float().sub_(mean).mul_(inv_std), labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms: a pure function of (image, seed, epoch, index)
+
+class Transform:
+    """What a sample goes through before it is batched (see the module's description)."""
+
+    def __init__(self, kind: str, size: int, train: bool, seed: int) -> None:
+        self.kind, self.size, self.train, self.seed = kind, size, train, seed
+
+    def __call__(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as TF
+        size = self.size
+        bits = sample_random(self.seed, epoch, index)
+        if self.kind == "imagenet":
+            if not self.train:
+                return TF.center_crop(TF.resize(image, [round(size * 256 / 224)], antialias=True),
+                                      [size, size])
+            top, left, height, width = _resized_crop_params(image, bits)
+            crop = TF.resized_crop(image, top, left, height, width, [size, size], antialias=True)
+            return TF.horizontal_flip(crop) if (bits >> 63) & 1 else crop
+        if tuple(image.shape[-2:]) != (size, size):
+            image = TF.resize(image, [size, size], antialias=True)
+        if self.kind == "cifar" and self.train:
+            padded = F.pad(image, [CROP_PADDING] * 4)
+            return cifar_crop(padded, bits, size)
+        return image
+
+    def describe(self) -> str:
+        return {"cifar": "pad-4 random crop + flip", "none": "resize only, no augmentation",
+                "imagenet": "RandomResizedCrop + flip; validation: resize + center crop"}[self.kind]
+
+
+def cifar_crop(padded: torch.Tensor, bits: int, size: int) -> torch.Tensor:
+    """A crop of `size` from an image padded by 4 on each side, and a flip, chosen by `bits`."""
+    span = padded.shape[-1] - size + 1
+    top, left, flip = bits % span, (bits >> 16) % span, (bits >> 32) & 1
+    crop = padded[..., top:top + size, left:left + size]
+    return crop.flip(-1) if flip else crop
+
+
+def _resized_crop_params(image: torch.Tensor, bits: int) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop parameters, drawn from a generator seeded by the sample's
+    own bits (not from the process's random state, which depends on the worker)."""
+    from torchvision.transforms import RandomResizedCrop
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(bits & (2**63 - 1))
+        return RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Images in memory
+
+class ImageDataset(Dataset):
+    """uint8 images (N, C, H, W) with labels, in memory; samples as uint8 through `transform`.
+
+    Keys are an index, or (epoch, index) so that a training sample's augmentation is fixed by
+    the epoch and the index alone.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Transform) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+        # The common case, CIFAR-style crops of images already at their size: padded once, so
+        # that a whole batch of crops is one indexing operation.
+        self._padded: Optional[torch.Tensor] = None
+        if transform.kind == "cifar" and transform.train and images.shape[-1] == transform.size \
+                and images.shape[-2] == transform.size:
+            self._padded = F.pad(images, [CROP_PADDING] * 4)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = epoch_and_index(key)
+        return self.transform(self.images[index], epoch, index), self.labels[index]
+
+    def __getitems__(self, keys: list[SampleKey]) -> Stacked:
+        """A whole batch at once (the DataLoader calls this instead of __getitem__ per key)."""
+        pairs = [epoch_and_index(key) for key in keys]
+        index = torch.tensor([i for _, i in pairs], dtype=torch.long)
+        if self._padded is not None:
+            size = self.transform.size
+            span = self._padded.shape[-1] - size + 1
+            bits = [sample_random(self.transform.seed, epoch, i) for epoch, i in pairs]
+            top = torch.tensor([b % span for b in bits])
+            left = torch.tensor([(b >> 16) % span for b in bits])
+            flip = torch.tensor([bool((b >> 32) & 1) for b in bits]).view(-1, 1, 1, 1)
+            # Every crop of every image as a view (N, C, span, span, size, size): one indexing
+            # operation copies out the batch's crops, the same as cifar_crop's.
+            windows = self._padded.unfold(2, size, 1).unfold(3, size, 1)
+            images = windows[index, :, top, left]
+            images = torch.where(flip, images.flip(-1), images)
+        elif self.transform.kind in ("cifar", "none") and not self.transform.train and \
+                tuple(self.images.shape[-2:]) == (self.transform.size,) * 2:
+            images = self.images[index]
+        else:
+            images = torch.stack([self.transform(self.images[i], e, i) for e, i in pairs])
+        return Stacked((images, self.labels[index]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Image folders: listed once, decoded per sample
+
+class BadSample(UserError):
+    """An image that cannot be read. Raised in a loader worker, it reaches the training process
+    re-created from the worker's traceback text: the original message is its last line."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip().splitlines()[0]
+        super().__init__(message)
+
+
+@dataclass
+class Listing:
+    """One split of an image folder: files relative to its root, their labels, the classes."""
+    root: str
+    files: list[str]
+    labels: list[int]
+    classes: list[str]
+
+
+def decode(path: str) -> torch.Tensor:
+    """An image file as uint8 RGB (3, H, W): torchvision's decoders where they apply (JPEG, PNG,
+    GIF, WebP; about a quarter faster than PIL on JPEGs here), else PIL (other formats, or a
+    torchvision without them)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_image, read_file
+        return decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except (ImportError, RuntimeError):
+        pass
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+    with Image.open(path) as image:
+        return pil_to_tensor(image.convert("RGB"))
+
+
+class ImageFolderSet(Dataset):
+    """An image folder's split, decoded sample by sample (in the loader workers): memory does not
+    grow with the number of images. An unreadable image names its file and class; with
+    data.on_bad_sample=skip the next readable image takes its place (deterministically) and the
+    replacement is counted."""
+
+    def __init__(self, listing: Listing, transform: Transform, skip_bad: bool) -> None:
+        self.listing, self.transform, self.skip_bad = listing, transform, skip_bad
+        self.labels = torch.tensor(listing.labels, dtype=torch.long)
+        # Replaced samples, one slot per loader worker (and one for the main process), in
+        # shared memory so that the training process can read the count.
+        self.replaced = torch.zeros(65, dtype=torch.int64).share_memory_()
+        self._warned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.listing.files)
+
+    def _read(self, index: int) -> torch.Tensor:
+        try:
+            return decode(os.path.join(self.listing.root, self.listing.files[index]))
+        except Exception as e:  # noqa: BLE001 - any failure to decode is a bad sample
+            raise bad_sample(self.listing, index, e) from None
+
+    def _load(self, index: int) -> tuple[torch.Tensor, int]:
+        """The image of `index`, or with skip_bad the next readable one (index+1, +2, ...)."""
+        for offset in range(len(self)):
+            candidate = (index + offset) % len(self)
+            try:
+                image = self._read(candidate)
+            except BadSample as bad:
+                if not self.skip_bad:
+                    raise
+                if candidate not in self._warned:
+                    self._warned.add(candidate)
+                    from dtrain.observe import log
+                    log.warning(f"{bad} -- skipped (data.on_bad_sample=skip)")
+                continue
+            if offset:
+                info = torch.utils.data.get_worker_info()
+                self.replaced[(info.id + 1) if info is not None else 0] += 1
+            return image, candidate
+        raise UserError(f"data error: no readable image in {self.listing.root}")
+
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = epoch_and_index(key)
+        image, used = self._load(index)
+        return self.transform(image, epoch, index), self.labels[used]
+
+    def __getitems__(self, keys: list[SampleKey]) -> Stacked:
+        samples = [self[key] for key in keys]
+        return Stacked((torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])))
+
+    def replaced_count(self) -> int:
+        return int(self.replaced.sum())
+
+
+def list_split(root: str, split: str) -> tuple[Listing, list[str], list[str]]:
+    """The images of `root/split/<class>/...` (recursively, hidden files and folders left out);
+    also the other files left out and the empty class folders, for the banner."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+    path = os.path.join(root, split)
+    if not os.path.isdir(path):
+        loose = _images_in(root, IMG_EXTENSIONS) if os.path.isdir(root) else []
+        classes = sorted(d.name for d in os.scandir(root) if d.is_dir()
+                         and not d.name.startswith(".")) if os.path.isdir(root) else []
+        hint = ""
+        if classes and split == "train" and "val" not in classes:
+            hint = (f"; it has class folders ({', '.join(classes[:4])}) but no train/ and val/: "
+                    f"move them to {root}/train/<class>/ and put validation images in "
+                    f"{root}/val/<class>/")
+        elif loose:
+            hint = f"; it has images directly in it (e.g. {loose[0]}), which need class folders"
+        raise UserError(f"data error: image folder '{split}' not found under '{root}': expected "
+                        f"{path}/<class>/<image>{hint}")
+    classes = sorted(d.name for d in os.scandir(path) if d.is_dir() and not d.name.startswith("."))
+    loose = _images_in(path, IMG_EXTENSIONS)
+    if not classes:
+        detail = f" but images directly in it (e.g. {loose[0]})" if loose else ""
+        raise UserError(f"data error: {path} has no class folders{detail}: expected "
+                        f"{path}/<class>/<image>, one folder per class")
+    files, labels, other, empty = [], [], [], []
+    for label, name in enumerate(classes):
+        count = 0
+        for folder, dirs, names in os.walk(os.path.join(path, name)):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for file in sorted(names):
+                if file.startswith("."):
+                    continue
+                relative = os.path.relpath(os.path.join(folder, file), path)
+                if file.lower().endswith(IMG_EXTENSIONS):
+                    files.append(relative)
+                    labels.append(label)
+                    count += 1
+                else:
+                    other.append(relative)
+        if not count:
+            empty.append(name)
+    return Listing(path, files, labels, classes), other, empty
+
+
+def _images_in(path: str, extensions: tuple) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.lower().endswith(extensions)
+                  and os.path.isfile(os.path.join(path, n)))
+
+
+def header_sizes(listing: Listing, skip_bad: bool, count: int = HEADER_SAMPLE
+                 ) -> list[tuple[int, int]]:
+    """(width, height) from the headers of up to `count` files spread over the split: PIL
+    reads a header without decoding the pixels. A file that is not an image is the same error
+    as at its first use (or, with data.on_bad_sample=skip, left out of the sample)."""
+    from PIL import Image
+    step = max(1, len(listing.files) // count)
+    sizes = []
+    for index in range(0, len(listing.files), step)[:count]:
+        path = os.path.join(listing.root, listing.files[index])
+        try:
+            with Image.open(path) as image:
+                sizes.append(image.size)
+        except Exception as e:  # noqa: BLE001 - not an image after all: say which file
+            if not skip_bad:
+                raise bad_sample(listing, index, e) from None
+    return sizes
+
+
+def bad_sample(listing: Listing, index: int, error: BaseException) -> "BadSample":
+    path = os.path.join(listing.root, listing.files[index])
+    label = listing.classes[listing.labels[index]]
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return BadSample(f"data error: cannot read image {path} (class '{label}'): {first}; remove "
+                     f"or replace it, or set data.on_bad_sample=skip")
+
+
+def choose_size(cfg: DataConfig, sizes: list[tuple[int, int]]) -> tuple[int, str]:
+    """The size images are trained at, and why."""
+    if cfg.image_size:
+        return cfg.image_size, "data.image_size"
+    distinct = sorted(set(sizes))
+    if len(distinct) == 1 and distinct[0][0] == distinct[0][1] and distinct[0][0] <= NATIVE_MAX:
+        size = distinct[0][0]
+        return size, f"the images' own size: every header read is {size}x{size}"
+    shown = ", ".join(f"{w}x{h}" for w, h in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
+    return 224, (f"the default for images that are not all of one square size <= {NATIVE_MAX} px, "
+                 f"headers read: {shown}; set data.image_size to choose")
+
+
+def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
+    """`auto`: CIFAR-style augmentation for small images (<= 64 px, typically at their own
+    size), ImageNet-style for larger ones."""
+    if cfg.transform != "auto":
+        return cfg.transform, "data.transform"
+    if size <= NATIVE_MAX:
+        return "cifar", f"auto: small images, <= {NATIVE_MAX} px"
+    return "imagenet", f"auto: images larger than {NATIVE_MAX} px"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the datasets
+
+def build(cfg: DataConfig, seed: int
+          ) -> tuple[Dataset, Dataset, dict[str, Any], list[str], Normalize]:
+    """The train and validation sets of a built-in image dataset or an image folder, what models
+    need to know, lines for the banner, and the normalisation done on the device."""
+    if cfg.name == "imagefolder":
+        return _image_folder(cfg, seed)
+    loaders = {"synthetic": _synthetic, "cifar10": _cifar10, "mnist": _mnist,
+               "fashion_mnist": _mnist}
+    (train_x, train_y), (val_x, val_y), num_classes, norm = loaders[cfg.name](cfg)
+    native = train_x.shape[-1]
+    size = cfg.image_size or native
+    kind, why = choose_transform(cfg, size)
+    train = ImageDataset(train_x, train_y, Transform(kind, size, cfg.augment, seed))
+    val = ImageDataset(val_x, val_y, Transform(kind, size, False, seed))
+    info = {"num_classes": num_classes, "in_channels": train_x.shape[1], "image_size": size}
+    notes = [f"images {size}x{size} ({'their own size' if size == native else 'data.image_size'}), "
+             f"transform {kind}: {train.transform.describe()} ({why})"]
+    return train, val, info, notes, Normalize(*norm)
+
+
+def _image_folder(cfg: DataConfig, seed: int) -> tuple:
+    """Rank 0 lists the folder and reads a sample of headers; every rank gets its result (ranks
+    never each walk a million files)."""
+    def survey() -> tuple[Listing, Listing, list[str], int, str]:
+        (train, other, empty), (val, val_other, val_empty) = (list_split(cfg.root, s)
+                                                              for s in ("train", "val"))
+        if train.classes != val.classes:
+            raise UserError(f"data error: {cfg.root}: train and val class folders differ "
+                            f"({train.classes} vs {val.classes})")
+        if not train.files or not val.files:
+            split = "train" if not train.files else "val"
+            raise UserError(f"data error: {os.path.join(cfg.root, split)} has no images in its "
+                            f"class folders")
+        notes = []
+        for split, files in (("train", other), ("val", val_other)):
+            if files:
+                notes.append(f"image folder {split}/: left out {len(files)} file(s) that are not "
+                             f"images (e.g. {files[0]})")
+        for split, names in (("train", empty), ("val", val_empty)):
+            if names:
+                notes.append(f"image folder {split}/: class folder(s) with no images: "
+                             f"{', '.join(names[:5])}")
+        skip = cfg.on_bad_sample == "skip"
+        sizes = [] if cfg.image_size else header_sizes(train, skip) + header_sizes(val, skip)
+        size, why = choose_size(cfg, sizes)
+        return train, val, notes, size, why
+
+    train_list, val_list, notes, size, why = dist.on_main(survey)
+    kind, kind_why = choose_transform(cfg, size)
+    skip = cfg.on_bad_sample == "skip"
+    train = ImageFolderSet(train_list, Transform(kind, size, cfg.augment, seed), skip)
+    val = ImageFolderSet(val_list, Transform(kind, size, False, seed), skip)
+    notes.append(f"image folder {cfg.root}: {len(train)} train / {len(val)} val images in "
+                 f"{len(train_list.classes)} classes (listed once, decoded per sample)")
+    notes.append(f"images {size}x{size} ({why}), transform {kind}: {train.transform.describe()} "
+                 f"({kind_why})")
+    info = {"num_classes": len(train_list.classes), "in_channels": 3, "image_size": size}
+    return train, val, info, notes, Normalize(*IMAGENET_NORM)
+
+
+def _synthetic(cfg: DataConfig) -> tuple:
+    train = synthetic.generate(cfg.synthetic.train_size, "train")
+    val = synthetic.generate(cfg.synthetic.val_size, "val")
+    return train, val, len(synthetic.CLASSES), ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+
+def _missing(what: str, where: str, expect: str) -> UserError:
+    return UserError(f"data error: {what} not found under '{where}': {expect} "
+                     f"(or set data.download=true where the machine is online)")
+
+
+def _cifar10(cfg: DataConfig) -> tuple:
+    from torchvision.datasets import CIFAR10
+    try:
+        train = CIFAR10(cfg.root, train=True, download=cfg.download)
+        val = CIFAR10(cfg.root, train=False, download=cfg.download)
+    except RuntimeError:
+        raise _missing("CIFAR-10", cfg.root, "put the extracted 'cifar-10-batches-py' folder there"
+                       ) from None
+    as_tensor = lambda d: (torch.from_numpy(d.data).permute(0, 3, 1, 2).contiguous(),  # noqa: E731
+                           torch.tensor(d.targets))
+    return (as_tensor(train), as_tensor(val), 10,
+            ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)))
+
+
+def _mnist(cfg: DataConfig) -> tuple:
+    from torchvision.datasets import MNIST, FashionMNIST
+    cls, folder = (MNIST, "MNIST") if cfg.name == "mnist" else (FashionMNIST, "FashionMNIST")
+    try:
+        train = cls(cfg.root, train=True, download=cfg.download)
+        val = cls(cfg.root, train=False, download=cfg.download)
+    except RuntimeError:
+        raise _missing(folder, cfg.root, f"put the '{folder}/raw' files there") from None
+    as_tensor = lambda d: (d.data.unsqueeze(1).contiguous(), d.targets.clone())  # noqa: E731
+    return as_tensor(train), as_tensor(val), 10, ((0.5,), (0.25,))

@@ -1,0 +1,123 @@
+"""The train and validation loaders, how a batch is collated, and how it reaches the device."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable, Optional
+
+import numpy
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from dtrain.config import DataConfig
+from dtrain.data.sampler import EvalSampler, Prefix, ResumableSampler
+from dtrain.errors import UserError
+
+
+class Stacked(list):
+    """A whole batch a dataset made at once in `__getitems__`. dtrain's collate hands the stacked
+    batch over as it is, instead of stacking a copy of its samples; as a list of the samples
+    (views) it also works with torch's default collate, for anyone using the dataset directly."""
+
+    def __init__(self, batch: Any) -> None:
+        if isinstance(batch, torch.Tensor):
+            samples: list = list(batch.unbind(0))
+        else:
+            samples = list(zip(*(part.unbind(0) for part in batch)))
+        super().__init__(samples)
+        self.batch = batch
+
+
+def collate(samples: Any) -> Any:
+    """The loaders' collate function: a `Stacked` batch as it is, a tensor a dataset already
+    stacked as it is, anything else (tensors, tuples, lists, dicts of them) by torch's default."""
+    if isinstance(samples, Stacked):
+        return samples.batch
+    if isinstance(samples, torch.Tensor):
+        return samples
+    return default_collate(samples)
+
+
+def to_device(batch: Any, device: torch.device, on_device: Optional[Callable[[Any], Any]] = None,
+              channels_last: bool = False) -> Any:
+    """Every tensor of a batch (tensors, tuples, lists, namedtuples, dicts, nested) on `device`
+    (asynchronously from pinned memory on CUDA), then what the data does on the device (images:
+    uint8 to normalised float), then, with `channels_last`, 4-D float inputs in that format."""
+    batch = _tree_map(batch, lambda t: t.to(device, non_blocking=device.type == "cuda"))
+    if on_device is not None:
+        batch = on_device(batch)
+    if channels_last:
+        batch = _tree_map(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
+                          if t.dim() == 4 and t.is_floating_point() else t)
+    return batch
+
+
+def _tree_map(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _tree_map(v, fn)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_tree_map(v, fn) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(v, fn) for v in tree)
+    return tree
+
+
+def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
+    """data.num_workers, with `auto` worked out from the CPUs this process may use: one fewer
+    than each rank's share (the rank itself needs one), at most 8."""
+    if cfg.num_workers != "auto":
+        return int(cfg.num_workers), "set by data.num_workers"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_rank = max(1, cpus // max(1, local_world_size))
+    workers = max(0, min(8, per_rank - 1))
+    return workers, (f"auto: {cpus} CPU(s) for {local_world_size} rank(s) on this node, "
+                     f"{per_rank} per rank, one of them for the rank itself")
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Give each loader worker its own seed (for users' own random transforms)."""
+    seed = torch.utils.data.get_worker_info().seed % 2**32
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
+def close_loaders(loaders: tuple) -> None:
+    """Stop the persistent worker processes of the loaders now: the launcher leaves with
+    os._exit, which skips the interpreter's clean-up that would otherwise stop them."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def loaders(train_set: Any, val_set: Any, cfg: DataConfig, seed: int, rank: int, world_size: int,
+            device: torch.device, overfit_batches: int = 0, workers: int = 0
+            ) -> tuple[DataLoader, ResumableSampler, DataLoader, EvalSampler]:
+    """The train loader (steered through its sampler's `set_epoch`) and the validation loader,
+    with `workers` loader processes each."""
+    shuffle = True
+    if overfit_batches:
+        count = overfit_batches * cfg.batch_size * world_size
+        train_set = Prefix(train_set, min(count, len(train_set)))
+        shuffle = False
+    per_step = cfg.batch_size * world_size
+    if len(train_set) < per_step:
+        raise UserError(f"data error: the training set has {len(train_set)} samples, fewer than "
+                        f"one step needs ({world_size} ranks x batch {cfg.batch_size}); lower "
+                        f"data.batch_size or add data")
+    if len(val_set) == 0:
+        raise UserError("data error: the validation set is empty")
+    train_sampler = ResumableSampler(len(train_set), rank, world_size, seed, shuffle, cfg.drop_last)
+    val_sampler = EvalSampler(len(val_set), rank, world_size)
+    common = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate,
+                  persistent_workers=workers > 0 and cfg.persistent_workers,
+                  worker_init_fn=_seed_worker if workers else None)
+    generator = torch.Generator().manual_seed(seed + rank)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler,
+                              drop_last=cfg.drop_last, generator=generator, **common)
+    val_loader = DataLoader(val_set, batch_size=cfg.eval_batch_size or cfg.batch_size,
+                            sampler=val_sampler, **common)
+    return train_loader, train_sampler, val_loader, val_sampler

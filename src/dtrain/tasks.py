@@ -1,0 +1,249 @@
+"""What is learned: a task turns a batch into a loss, and into per-sample metrics for evaluation.
+
+The loop knows nothing about images or tokens: it calls `task.loss(model, batch)` for each
+micro-batch, and `task.metrics(model, batch)` over the validation set. A task is any object with
+these two methods; `task.name` picks a built-in one or imports the user's (`module:function`,
+called with the task config, `task.args` inside). A full example of a user's task:
+
+    class Regression:
+        def loss(self, model, batch):                       # a scalar
+            return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+
+        def metrics(self, model, batch):                    # each of shape (batch,)
+            error = model(batch["x"]).squeeze(-1) - batch["y"]
+            return {"loss": error.square(), "abs_error": error.abs()}
+
+    def regression(cfg):                                    # task.name: mypkg.tasks:regression
+        return Regression()
+
+dtrain reports `val_<name>` for each metric: its mean over the whole validation set, every sample
+counted once over all ranks. Optional members, used where present:
+- `example_input(info, batch_size)`: a model input like the data's (for `dtrain export` and
+  `dtrain plan`); `info` is what the datasets declare (e.g. `in_channels`, `image_size`).
+- `summarize(means)`: more validation figures derived from the means (`perplexity`, ...).
+- `tokens_per_sample`: tokens in a sample, for tokens/s and FLOP/s in the records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.config import TaskConfig
+from dtrain.errors import UserError
+from dtrain.imports import is_import_path, load_callable
+
+
+class Task(Protocol):
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# What a model returns
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The predictions in a model's output: the output itself, the first element of a tuple or
+    list, `output["logits"]`, or `output.logits`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, dict) and "logits" in output:
+        return output["logits"]
+    if hasattr(output, "logits"):
+        return output.logits
+    raise UserError(f"task error: cannot find the predictions in the model's output "
+                    f"({type(output).__name__}): return a tensor, a tuple, or something with "
+                    f"'logits'")
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: `output["loss"]`, `output.loss`, or the output."""
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    if not isinstance(output, torch.Tensor) and hasattr(output, "loss"):
+        return output.loss
+    if isinstance(output, torch.Tensor):
+        return output
+    raise UserError(f"task error: the model's output ({type(output).__name__}) has no loss: "
+                    f"return it as output['loss'] or output.loss")
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    """A dict batch goes in as keyword arguments (Hugging Face style), anything else as is."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in tasks
+
+class Classification:
+    """(inputs, labels) batches; cross-entropy; reports val_loss and val_acc."""
+
+    reported = ("loss", "acc")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(logits_of(call(model, inputs)).float(), labels)
+
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = logits_of(call(model, inputs)).float()
+        return {"loss": F.cross_entropy(logits, labels, reduction="none"),
+                "acc": (logits.argmax(dim=1) == labels).float()}
+
+    def example_input(self, info: dict[str, Any], batch_size: int) -> torch.Tensor:
+        size = info["image_size"]
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(batch_size, info["in_channels"], size, size, generator=gen)
+
+
+class LanguageModel:
+    """Batches of token windows (batch, seq_len + 1): predict each next token. Reports val_loss
+    (nats per token), val_perplexity and val_bits_per_byte (the tokens are bytes)."""
+
+    reported = ("loss", "perplexity", "bits_per_byte")
+
+    def __init__(self, seq_len: Optional[int] = None) -> None:
+        self.tokens_per_sample = seq_len
+
+    @staticmethod
+    def _split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = batch.long()  # bytes cross to the device as uint8
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = self._split(batch)
+        logits = logits_of(model(inputs)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def metrics(self, model: nn.Module, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        inputs, targets = self._split(batch)
+        logits = logits_of(model(inputs)).float()
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return {"loss": per_token.mean(dim=1)}
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        loss = means["loss"]
+        return {"perplexity": math.exp(min(loss, 700.0)), "bits_per_byte": loss / math.log(2)}
+
+    def example_input(self, info: dict[str, Any], batch_size: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, info["vocab_size"], (batch_size, info["seq_len"]), generator=gen)
+
+
+class ModelLoss:
+    """The model computes its own loss (`model(batch)`, a dict batch as keyword arguments, returns
+    the loss or something with `.loss` / `["loss"]`). Reports val_loss: each sample is given its
+    batch's loss, so a batch's share of the mean is its size."""
+
+    reported = ("loss",)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss_of(call(model, batch))
+
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        return {"loss": self.loss(model, batch).float().expand(batch_size(batch))}
+
+
+BUILTIN = {"classification": Classification, "language_model": LanguageModel,
+           "model_loss": ModelLoss}
+
+
+def builtin_metrics(name: str) -> Optional[tuple[str, ...]]:
+    """The validation metrics a built-in task reports (`val_<name>`), or None for a user's."""
+    task = BUILTIN.get(name)
+    return tuple(f"val_{m}" for m in task.reported) if task is not None else None
+
+
+def build(cfg: TaskConfig, info: dict[str, Any]) -> Task:
+    """The task named by `task.name`, with `task.args`."""
+    if is_import_path(cfg.name):
+        task = load_callable(cfg.name, "task.name")(cfg)
+        missing = [m for m in ("loss", "metrics") if not callable(getattr(task, m, None))]
+        if missing:
+            raise UserError(f"config error: task.name: {cfg.name} returned {type(task).__name__}, "
+                            f"which has no {' or '.join(missing)}(model, batch) method")
+        return task
+    if cfg.name not in BUILTIN:
+        raise UserError(f"config error: task.name: unknown task '{cfg.name}'; use one of "
+                        f"{', '.join(BUILTIN)} or module:function")
+    args = dict(cfg.args)
+    if cfg.name == "language_model":
+        args.setdefault("seq_len", info.get("seq_len"))
+    try:
+        return BUILTIN[cfg.name](**args)
+    except TypeError as e:
+        raise UserError(f"config error: task.args: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+def batch_size(batch: Any) -> int:
+    """The leading dimension of the first tensor in a batch (tensors, tuples, lists, dicts)."""
+    for leaf in leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise UserError("task error: a batch holds no tensor with a batch dimension")
+
+
+def leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in leaves(value)]
+    return [tree]
+
+
+def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> Optional[str]:
+    """Try the task once on a batch (evaluation mode, no gradients: nothing changes): the loss
+    must be a scalar, the metrics per-sample, and `monitor` among what it reports. Returns the
+    problem as one line, or None."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            loss = task.loss(model, batch)
+            values = task.metrics(model, batch)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model, data and task do not fit together
+        first = (str(e).strip().splitlines() or [""])[0]
+        return (f"task error: the {type(task).__name__} task failed on a validation batch: "
+                f"{type(e).__name__}: {first} (do the model's outputs fit the data, e.g. "
+                f"model.num_classes?)")
+    finally:
+        model.train(was_training)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        return (f"task error: loss(model, batch) returned {shape}, not a scalar tensor; reduce "
+                f"it to one number (e.g. .mean())")
+    size = batch_size(batch)
+    if not isinstance(values, dict) or not values:
+        return "task error: metrics(model, batch) must return a non-empty dict of name -> tensor"
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (size,):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            return (f"task error: metrics(model, batch)['{name}'] has shape {shape}; metrics "
+                    f"must be per-sample, of shape ({size},) for this batch")
+    reported = reported_metrics(task, values)
+    if monitor not in reported:
+        return (f"config error: ckpt.monitor: '{monitor}' is not reported by the task; it "
+                f"reports {', '.join(reported)}")
+    return None
+
+
+def reported_metrics(task: Task, values: dict[str, torch.Tensor]) -> list[str]:
+    """The `val_` names an evaluation gives, derived ones included."""
+    names = list(values)
+    summarize = getattr(task, "summarize", None)
+    if summarize is not None:
+        names += list(summarize({name: 1.0 for name in values}))
+    return [f"val_{name}" for name in names]

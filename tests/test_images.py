@@ -1,0 +1,240 @@
+"""Image folders at scale: listed once, decoded per sample in the loader workers, at their own size
+when they are small, with torchvision's transforms drawn from each sample's own random bits, uint8
+to the device, and unreadable files handled as the user chose."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Result, dtrain, launch
+from test_checkpoint import kill_when, saved_step, start
+
+
+def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext: str = ".jpg",
+                 sizes: tuple[int, ...] = ()) -> Path:
+    """root/{train,val}/<class>/<n><ext>: the built-in synthetic shapes as image files, `train`
+    and `val` per class, resized to `size` (or to each of `sizes` in turn)."""
+    from PIL import Image
+    from dtrain import synthetic
+    for split, per_class in (("train", train), ("val", val)):
+        images, labels = synthetic.generate(per_class * 10, split)
+        for i in range(len(labels)):
+            folder = root / split / synthetic.CLASSES[int(labels[i])]
+            folder.mkdir(parents=True, exist_ok=True)
+            side = sizes[i % len(sizes)] if sizes else size
+            picture = Image.fromarray(images[i].permute(1, 2, 0).numpy())
+            if side != 32:
+                picture = picture.resize((side, side))
+            picture.save(folder / f"{i}{ext}", quality=95)
+    return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return image_folder(tmp_path_factory.mktemp("images") / "data")
+
+
+def plan_lines(root: Path, *overrides: str) -> str:
+    result = dtrain("plan", "data.name=imagefolder", f"data.root={root}", "data.batch_size=4",
+                    *overrides)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_small_images_keep_their_size_and_get_cifar_style_augmentation(folder) -> None:
+    out = plan_lines(folder)
+    assert "240 train / 80 val samples, 3x32x32 images, 10 classes" in out
+    assert ("images 32x32 (the images' own size: every header read is 32x32), transform cifar "
+            "(auto: small images, <= 64 px)") in out
+
+
+def test_larger_or_mixed_images_go_to_224_with_imagenet_transforms(tmp_path) -> None:
+    mixed = image_folder(tmp_path / "mixed", train=2, val=1, sizes=(32, 40))
+    out = plan_lines(mixed)
+    assert ("images 224x224 (the default for images that are not all of one square size <= 64 "
+            "px, headers read: 32x32, 40x40; set data.image_size to choose), transform imagenet "
+            "(auto: images larger than 64 px)") in out
+    big = image_folder(tmp_path / "big", train=2, val=1, size=96)
+    assert "images 224x224" in plan_lines(big) and "headers read: 96x96" in plan_lines(big)
+    chosen = plan_lines(big, "data.image_size=64", "data.transform=cifar")
+    assert "images 64x64 (data.image_size), transform cifar (data.transform)" in chosen
+
+
+def test_transforms_are_torchvisions_and_a_pure_function_of_the_sample(folder) -> None:
+    from torchvision.transforms.v2 import functional as TF
+    from dtrain.data import Transform
+    from dtrain.data.images import decode
+    image = decode(str(next((folder / "train" / "circle").iterdir())))
+    image = TF.resize(image, [64, 64], antialias=True)
+    train = Transform("imagenet", 48, train=True, seed=5)
+    a, b, c = train(image, 0, 7), train(image, 0, 7), train(image, 1, 7)
+    assert a.dtype == torch.uint8 and a.shape == (3, 48, 48)
+    assert torch.equal(a, b) and not torch.equal(a, c)  # (seed, epoch, index) decide, nothing else
+    val = Transform("imagenet", 48, train=False, seed=5)(image, 3, 7)
+    assert torch.equal(val, TF.center_crop(TF.resize(image, [round(48 * 256 / 224)]), [48, 48]))
+    assert Transform("none", 32, train=True, seed=5)(image, 0, 0).shape == (3, 32, 32)
+
+
+def test_constructing_the_datasets_decodes_nothing(tmp_path, monkeypatch) -> None:
+    """Every file is garbage with an image's name: listing works, the first use names the file."""
+    from dtrain.config import DataConfig
+    from dtrain.data import build, images
+    root = tmp_path / "garbage"
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(3):
+                (root / split / cls / f"{i}.jpg").write_bytes(b"not an image")
+    decoded = []
+    monkeypatch.setattr(images, "decode", lambda path: decoded.append(path) or torch.zeros(3, 8, 8))
+    cfg = DataConfig(name="imagefolder", root=str(root), image_size=32)
+    sets = build(cfg, seed=0)
+    assert len(sets.train) == 6 and len(sets.val) == 6 and decoded == []
+    monkeypatch.undo()
+    with pytest.raises(images.BadSample, match=r"cannot read image .*garbage/train/a/0.jpg \(class 'a'\)"):
+        sets.train[(0, 0)]
+    # Without data.image_size the header read of the listing already tells
+    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={root}"])
+    assert result.returncode == 2
+    assert "cannot read image" in result.stderr and "garbage/train/a/0.jpg (class 'a')" in result.stderr
+
+
+def test_batches_reach_the_device_as_uint8(folder) -> None:
+    from dtrain.config import DataConfig
+    from dtrain.data import build, loaders, to_device
+    cfg = DataConfig(name="imagefolder", root=str(folder), batch_size=8)
+    sets = build(cfg, seed=0)
+    batch = next(iter(loaders(sets.train, sets.val, cfg, 0, 0, 1, torch.device("cpu"))[0]))
+    assert batch[0].dtype == torch.uint8 and batch[0].shape == (8, 3, 32, 32)
+    images, labels = to_device(batch, torch.device("cpu"), sets.on_device)
+    assert images.dtype == torch.float32
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1) * 255
+    assert torch.allclose(images, (batch[0].float() - mean) / std, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("no_splits", "image folder 'train' not found under '{root}': expected {root}/train/<class>/<image>; "
+                  "it has class folders (a, b) but no train/ and val/: move them to {root}/train/<class>/ "
+                  "and put validation images in {root}/val/<class>/"),
+    ("loose", "{root}/train has no class folders but images directly in it (e.g. 0.png): expected "
+              "{root}/train/<class>/<image>, one folder per class"),
+    ("classes_differ", "{root}: train and val class folders differ (['a', 'b'] vs ['a'])"),
+])
+def test_a_folder_not_laid_out_as_expected_says_how_to_fix_it(tmp_path, layout, message) -> None:
+    from PIL import Image
+    root = tmp_path / "data"
+    picture = Image.new("RGB", (8, 8))
+    if layout == "no_splits":
+        for cls in ("a", "b"):
+            (root / cls).mkdir(parents=True)
+            picture.save(root / cls / "0.png")
+    elif layout == "loose":
+        for split in ("train", "val"):
+            (root / split).mkdir(parents=True)
+            picture.save(root / split / "0.png")
+    else:
+        for split, classes in (("train", ("a", "b")), ("val", ("a",))):
+            for cls in classes:
+                (root / split / cls).mkdir(parents=True)
+                picture.save(root / split / cls / "0.png")
+    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={root}"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"dtrain: data error: {message.format(root=root)}"]
+
+
+def test_hidden_files_other_files_and_empty_classes_are_left_out_and_reported(tmp_path) -> None:
+    root = image_folder(tmp_path / "data", train=2, val=1)
+    (root / "train" / "circle" / ".DS_Store").write_bytes(b"junk")
+    (root / "train" / "circle" / "notes.txt").write_text("not an image")
+    (root / "train" / ".thumbnails").mkdir()
+    (root / "train" / "zz_empty").mkdir()
+    (root / "val" / "zz_empty").mkdir()
+    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={root}",
+                                              "data.batch_size=4", "train.max_steps=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "image folder train/: left out 1 file(s) that are not images (e.g. circle/notes.txt)" in result.stderr
+    assert "image folder train/: class folder(s) with no images: zz_empty" in result.stderr
+    assert "20 train / 10 val images in 11 classes" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Unreadable images
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> tuple[Path, Path]:
+    root = image_folder(tmp_path_factory.mktemp("damaged") / "data", train=8, val=2)
+    bad = root / "train" / "square" / sorted(os.listdir(root / "train" / "square"))[3]
+    bad.write_bytes(bad.read_bytes()[:40])  # a truncated JPEG
+    return root, bad
+
+
+@pytest.mark.slow
+def test_an_unreadable_image_stops_every_rank_with_one_line(damaged, tmp_path) -> None:
+    root, bad = damaged
+    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={root}",
+                                              "data.batch_size=4", "data.num_workers=1",
+                                              "data.image_size=32", "ckpt.every_steps=2"], nproc=2)
+    assert result.returncode != 0
+    line = f"dtrain: data error: cannot read image {bad} (class 'square'): "
+    assert result.stderr.count(line) == 1, result.stderr[-3000:]
+    assert "data.on_bad_sample=skip" in result.stderr
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)) == {"2"}
+    checkpoints = result.run_dir / "checkpoints"
+    assert not any(p.name.startswith(".tmp") for p in checkpoints.iterdir())
+    for done in checkpoints.iterdir():  # the checkpoints before the bad batch are complete
+        if done.is_dir():
+            assert (done / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_skipping_unreadable_images_is_deterministic_and_counted(damaged, tmp_path) -> None:
+    root, bad = damaged
+    common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=4",
+              "data.on_bad_sample=skip", "train.epochs=2", "train.log_every=5"]
+    first = launch(tmp_path / "runs" / "a", [*common, "data.num_workers=2"], nproc=2)
+    second = launch(tmp_path / "runs" / "b", [*common, "data.num_workers=0"], nproc=2)
+    for result in (first, second):
+        assert result.returncode == 0, result.stderr[-3000:]
+        log = (result.run_dir / "log.txt").read_text() + (result.run_dir / "log.rank1.txt").read_text()
+        assert f"cannot read image {bad}" in log and "skipped (data.on_bad_sample=skip)" in log
+    assert first.losses() == second.losses()  # the same replacement with 0 or 2 workers
+    replaced = [r.get("bad_samples_replaced", 0) for r in first.records() if "loss" in r]
+    assert replaced[-1] >= 1  # counted (each epoch serves the bad file once, on one rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Killed and resumed on a JPEG folder, with loader workers
+
+@pytest.mark.slow
+def test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact(tmp_path) -> None:
+    root = image_folder(tmp_path / "data", train=40, val=4)
+    common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=8",
+              "model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
+              "train.epochs=2", "ckpt.every_steps=5", "ckpt.keep_last=10"]
+    straight = launch(tmp_path / "runs" / "straight", [*common, "data.num_workers=0"], nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "killed"
+    proc = start(run_dir, [*common, "data.num_workers=2"], nproc=2)
+    kill_when(proc, lambda: saved_step(run_dir) >= 10)
+    assert saved_step(run_dir) < 50
+    resumed = launch(run_dir, [*common, "data.num_workers=2"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert Result(0, "", "", run_dir).losses() == straight.losses()  # bitwise, 0 vs 2 workers
+
+
+@pytest.mark.slow
+def test_workers_auto_is_said_in_the_banner(folder, tmp_path) -> None:
+    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={folder}",
+                                              "data.num_workers=auto", "train.max_steps=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpus = len(os.sched_getaffinity(0))
+    workers = max(0, min(8, cpus - 1))
+    assert f"data.num_workers {workers} (auto: {cpus} CPU(s) for 1 rank(s) on this node" in result.stderr
+
