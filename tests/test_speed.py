@@ -75,3 +75,16 @@ def test_start_up_says_where_its_time_goes(tmp_path) -> None:
     assert line, result.stderr[-2000:]
     phases = [float(x) for x in line.groups()]
     assert abs(sum(phases[:-1]) - phases[-1]) < 0.05 and phases[-1] < 60
+
+
+def test_console_lines_on_each_ranks_own_clock_never_call_for_a_check(tmp_path) -> None:
+    """log.every_s lines follow each rank's clock, which differ: a check (a collective) called
+    for by one would leave the other waiting in another collective."""
+    result = launch(tmp_path / "runs" / "r", ["model.name=user_code:slow_cnn",
+                                              "model.args={width: 8, sleep_s: 0.02}",
+                                              "train.max_steps=60", "train.log_every=1000",
+                                              "train.check_every_steps=7", "log.progress=lines",
+                                              "log.every_s=0.13"], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"step (\d+) \| epoch \d+ \| loss ", result.stderr)
+    assert len(lines) >= 2  # lines came, by time alone

@@ -138,7 +138,8 @@ class Trainer:
             log.info(f"stop requested ({self.stop_requested}) at step {state.step}: saving a "
                      f"checkpoint and exiting")
             self.callbacks.before_stop_save(self.last_save_s)
-            self._save()
+            if self.checkpoints.last_saved_step != state.step:  # (a save's check may have seen it)
+                self._save()
             self.checkpoints.wait()
             return "preempted"
         if state.last_eval.get("step") != state.step:
@@ -342,11 +343,11 @@ class Trainer:
         bar's counter moves, with the figures of the last record."""
         state, progress = self.state, self.run_log.progress
         at_log_step = state.step % self.cfg.train.log_every == 0
-        line_due = progress.line_due()
-        if at_log_step or line_due or state.step % self.cfg.train.check_every_steps == 0 \
-                or last_in_epoch:
+        # Checks are collectives: only what every rank sees alike may call for one (the console
+        # line of log.every_s follows each rank's own clock, so it shows the last check's loss).
+        if at_log_step or state.step % self.cfg.train.check_every_steps == 0 or last_in_epoch:
             self._check()
-        if not (at_log_step or line_due):
+        if not (at_log_step or progress.line_due()):
             progress.tick(done_in_epoch)
             return
         window = self.window
