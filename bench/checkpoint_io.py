@@ -34,17 +34,16 @@ def _setup(work: Path, asynchronous: bool):
                              f"ckpt.async={str(asynchronous).lower()}", "ckpt.keep_last=2",
                              "ckpt.keep_best=0", "data.synthetic.train_size=16",
                              "data.synthetic.val_size=16"])
-    shapes = data.build(cfg.data, cfg.run.seed)
-    model = models.build(cfg.model, shapes, cfg.run.seed)
+    info = data.build(cfg.data, cfg.run.seed).info
+    model = models.build(cfg.model, info, cfg.run.seed)
     optimizer = optim.build_optimizer(model, cfg.optim)
     images = torch.randn(4, 3, 32, 32)
     F.cross_entropy(model(images), torch.tensor([0, 1, 2, 3])).backward()
     optimizer.step()  # the optimizer state exists only after a step
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
-    info = {"num_classes": shapes.num_classes, "in_channels": shapes.in_channels,
-            "image_size": shapes.image_size}
     checkpointer = checkpoint.Checkpointer(cfg, checkpoint.Store(run_dir), model, optimizer, lambda: {},
-                                           lambda extra: None, torch.device("cpu"), False, info)
+                                           lambda extra: None, torch.device("cpu"), False,
+                                           models.model_info(cfg.model, info))
     return cfg, model, optimizer, checkpointer, TrainState()
 
 

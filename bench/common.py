@@ -52,12 +52,18 @@ class Figure:
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
-def env(extra: Optional[dict] = None) -> dict:
+def env(extra: Optional[dict] = None, timing_malloc: bool = True) -> dict:
     """One intra-op thread per process, as torchrun sets for several ranks, so that runs on a
-    shared machine do not fight over cores; the same allocator settings for every program; no
+    shared machine do not fight over cores; the same allocator settings for every program
+    (timing_malloc; without it, glibc's defaults, as users get, for measuring memory); no
     inherited launcher variables."""
     out = dict(os.environ)
-    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **MALLOC_SETTINGS)
+    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if timing_malloc:
+        out.update(MALLOC_SETTINGS)
+    else:
+        for name in MALLOC_SETTINGS:
+            out.pop(name, None)
     out["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), out.get("PYTHONPATH", "")])
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"):
@@ -80,9 +86,10 @@ def launcher(nproc: int) -> list[str]:
             "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
 
 
-def run(cmd: Sequence[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(cmd), cwd=REPO, env=env(), text=True, capture_output=True,
-                          timeout=timeout)
+def run(cmd: Sequence[str], timeout: float = 600,
+        timing_malloc: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), cwd=REPO, env=env(timing_malloc=timing_malloc), text=True,
+                          capture_output=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -96,9 +103,9 @@ _PEAK_RSS = ("import resource, subprocess, sys\n"
              "sys.exit(code)\n")
 
 
-def run_peak_rss(cmd: Sequence[str], timeout: float = 600) -> int:
+def run_peak_rss(cmd: Sequence[str], timeout: float = 600, timing_malloc: bool = True) -> int:
     """Run `cmd`; the peak resident memory of its largest process (a rank), in bytes."""
-    proc = run([sys.executable, "-c", _PEAK_RSS, *cmd], timeout)
+    proc = run([sys.executable, "-c", _PEAK_RSS, *cmd], timeout, timing_malloc)
     line = [x for x in proc.stdout.splitlines() if x.startswith("peak_rss_kib")][-1]
     return int(line.split()[1]) * 1024
 

@@ -5,7 +5,8 @@ AdamW, fp32, 2 ranks on gloo, 3 steps.
   own first record (`state_bytes`), next to what `dtrain plan` predicts.
 - Peak RSS is measured from outside the processes: the largest rank's peak resident memory over
   the whole run (built, sharded, trained, evaluated, checkpointed), which includes what PyTorch
-  itself takes in every process.
+  itself takes in every process. Memory runs use glibc's default allocator settings, as users
+  get, not the fixed ones the timing benchmarks share.
 - Start-up: the time from the process's start to the end of its first step (the run's own
   `start-up:` log line).
 - Fits where DDP does not: both runs again in a memory cgroup whose limit lies between what the
@@ -37,7 +38,8 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int, float]:
     """State bytes of rank 0, the largest rank's peak RSS, and rank 0's start-up seconds."""
     run_dir = work / "runs" / f"{mode}-{tag}"
-    peak = common.run_peak_rss(common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2))
+    peak = common.run_peak_rss(common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2),
+                               timing_malloc=False)
     startup = re.search(r"\(([\d.]+) s since the process started\)", (run_dir / "log.txt").read_text())
     return common.records(run_dir)[0]["state_bytes"], peak, float(startup.group(1))
 
@@ -50,8 +52,9 @@ def planned(mode: str) -> tuple[int, int]:
     return memory.state, memory.total
 
 
-def under_limit(work: Path, mode: str, limit: int) -> Optional[int]:
-    """Run `mode` inside a memory cgroup of `limit` bytes; its exit code (None: no cgroup here)."""
+def under_limit(work: Path, mode: str, limit: int) -> Optional[tuple[int, int, int]]:
+    """Run `mode` inside a memory cgroup of `limit` bytes: its exit code, how many of its
+    processes the kernel killed for memory, and the job's peak usage (None: no cgroup here)."""
     group = Path(CGROUP_ROOT) / f"dtrain-bench-{os.getpid()}-{mode}"
     try:
         group.mkdir()
@@ -65,9 +68,12 @@ def under_limit(work: Path, mode: str, limit: int) -> Optional[int]:
         join = ("import os, subprocess, sys\n"
                 f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
                 "sys.exit(subprocess.call(sys.argv[1:]))\n")
-        proc = subprocess.run([sys.executable, "-c", join, *cmd], cwd=common.REPO, env=common.env(),
-                              capture_output=True, text=True, timeout=900)
-        return proc.returncode
+        proc = subprocess.run([sys.executable, "-c", join, *cmd], cwd=common.REPO,
+                              env=common.env(timing_malloc=False), capture_output=True, text=True,
+                              timeout=900)
+        oom = (group / "memory.oom_control").read_text()
+        kills = int(re.search(r"oom_kill (\d+)", oom).group(1)) if "oom_kill " in oom else -1
+        return proc.returncode, kills, int((group / "memory.max_usage_in_bytes").read_text())
     finally:
         try:
             group.rmdir()
@@ -101,14 +107,16 @@ def run(work: Path, rounds: int = 2) -> list[Figure]:
     ]
     # Both ranks together, plus the torchrun agent: a limit between what FSDP and DDP need.
     limit = int((2 * fsdp_rss + 2 * ddp_rss) / 2)
-    codes = {mode: under_limit(work, mode, limit) for mode in ("fsdp", "ddp")}
-    if None in codes.values():
+    limited = {mode: under_limit(work, mode, limit) for mode in ("fsdp", "ddp")}
+    if None in limited.values():
         figures.append(Figure("memory: under a cgroup limit", 0, "", "",
                               "skipped: no cgroup memory controller (or not root) here"))
     else:
-        figures.append(Figure("memory: under a cgroup limit, fsdp exit / ddp exit", codes["fsdp"], "",
-                              "", f"limit {limit / mib:.0f} MiB for the job: fsdp exit "
-                              f"{codes['fsdp']}, ddp exit {codes['ddp']} (killed for memory)"))
+        said = {mode: f"{mode} exit {code}, {kills} process(es) killed for memory, job peak "
+                      f"{peak / mib:.0f} MiB" for mode, (code, kills, peak) in limited.items()}
+        figures.append(Figure("memory: under a cgroup limit, fsdp's exit code", limited["fsdp"][0],
+                              "", "", f"limit {limit / mib:.0f} MiB for the whole job: "
+                              f"{said['fsdp']}; {said['ddp']}"))
     return figures
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, child_env, launch, torchrun_cmd
+from dtrain import host_memory
 from test_checkpoint import latest
 
 
@@ -47,11 +49,55 @@ def test_fsdp_built_by_shards_trains_like_ddp(tmp_path) -> None:
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert "model constructed shard by shard" in fsdp.stderr
+    assert "host memory: allocations above 128 KiB mapped on their own" in fsdp.stderr
     a, b = ddp.losses(), fsdp.losses()
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert abs(a[1] - b[1]) <= 1e-6  # the same initial weights
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory that FSDP frees goes back to the system
+
+FREE_AFTER_USE = """
+import json, sys
+from dtrain import host_memory
+note = host_memory.return_freed_memory() if sys.argv[1] == "call" else None
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+freed_once = bytearray(4 << 20)
+del freed_once  # glibc's own policy: from here on, blocks this size come from its heaps
+big, kept = [], []
+for _ in range(200):  # 1 MiB buffers between small objects that stay, as gathers between states
+    big.append(bytearray(1 << 20))
+    kept.append(bytearray(2000))
+before = rss()
+big.clear()
+print(json.dumps({"note": note, "returned_mib": (before - rss()) / 2**20}))
+"""
+
+
+@pytest.mark.parametrize("case", ["dtrain", "glibc_default", "user_setting"])
+def test_freed_buffers_go_back_to_the_system(case) -> None:
+    """With dtrain's policy the 200 MiB freed leave the process; with glibc's own they stay;
+    a user's own malloc setting is kept, and dtrain says nothing."""
+    env = child_env()
+    for name in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES"):
+        env.pop(name, None)
+    if case == "user_setting":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(8 << 20)
+    proc = subprocess.run([sys.executable, "-c", FREE_AFTER_USE,
+                           "skip" if case == "glibc_default" else "call"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    if case == "dtrain":
+        assert result["note"].startswith("host memory: allocations above 128 KiB")
+        assert result["returned_mib"] > 150, result
+    else:
+        assert result["note"] is None
+        assert result["returned_mib"] < 50, result
 
 
 # ---------------------------------------------------------------------------------------------

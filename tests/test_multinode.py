@@ -35,6 +35,7 @@ import torch
 
 from conftest import (REPO, TINY, TRAIN, Result, child_env, descendants, free_port, kill_tree,
                       launch)
+from slurm_jobs import FINAL_STATES, Job, slurm_env, train_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -50,8 +51,6 @@ FAST = "model.args={width: 8, sleep_s: 0}"
 # Slow enough that a kill or a signal after step 5-8 lands well before step 32.
 PACED = "model.args={width: 8, sleep_s: 0.15}"
 TOLERANCE = {"ddp": 1e-6, "fsdp": 1e-5}
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 LOCATED = re.compile(r"multinode_code: rank (\d+) of (\d+) on host (\S+) \((\S+)\), "
                      r"MASTER_ADDR=(\S+) MASTER_PORT=(\S+) dtrain=(\S+)")
 
@@ -103,10 +102,6 @@ def cluster2(hosts: dict[str, str]) -> str:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return Result(0, "", "", run_dir).losses()
-
-
-def train_steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in Result(0, "", "", run_dir).records() if "loss" in r]
 
 
 def latest(run_dir: Path) -> Path:
@@ -377,59 +372,11 @@ def test_run_directory_not_shared_by_the_second_host_is_refused(hosts, tmp_path:
 # ---------------------------------------------------------------------------------------------
 # The two-node SLURM cluster
 
-def slurm_env(conf: str, extra: Optional[dict] = None) -> dict:
-    """The environment of a user of the two-node cluster: SLURM_CONF points at it; no variables of
-    a job the suite itself may run in."""
-    env = {k: v for k, v in child_env(extra).items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env.update(SLURM_CONF=conf, PYTHON=sys.executable)
-    return env
-
-
 def scontrol(conf: str, *args: str) -> str:
     proc = subprocess.run(["scontrol", *args], env=slurm_env(conf), capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
-
-
-class Job:
-    def __init__(self, job_id: str, output: Path, conf: str) -> None:
-        self.id, self.output_path, self.conf = job_id, output, conf
-
-    def fields(self) -> dict[str, str]:
-        return dict(re.findall(r"(\w+)=(\S*)", scontrol(self.conf, "-o", "show", "job", self.id)))
-
-    def output(self) -> str:
-        return self.output_path.read_text(errors="replace") if self.output_path.exists() else ""
-
-    def cancel(self) -> None:
-        subprocess.run(["scancel", self.id], env=slurm_env(self.conf), capture_output=True)
-
-    def wait_end(self, timeout: float = 240) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        seen: list[str] = []
-        while time.monotonic() < deadline:
-            fields = self.fields()
-            state = fields.get("JobState", "?")
-            if not seen or seen[-1] != state:
-                seen.append(state)
-            if state in FINAL_STATES:
-                return fields
-            time.sleep(0.5)
-        self.cancel()
-        pytest.fail(f"job {self.id} not over after {timeout} s (states {seen}):\n"
-                    f"{self.output()[-4000:]}")
-
-    def wait_for_step(self, run_dir: Path, step: int, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(s >= step for s in train_steps(run_dir)):
-                return
-            if self.fields().get("JobState") in FINAL_STATES:
-                pytest.fail(f"job {self.id} ended before step {step}:\n{self.output()[-4000:]}")
-            time.sleep(0.2)
-        self.cancel()
-        pytest.fail(f"job {self.id} did not reach step {step} in {timeout} s:\n{self.output()[-4000:]}")
 
 
 @pytest.fixture
@@ -524,8 +471,7 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_exactly(submit, referen
     job = submit(script, [*JOB, PACED, "run.name=null", f"run.out_dir={out_dir}"], slow_requeue)
     run_dir = out_dir / f"job_{job.id}"
     job.wait_for_step(run_dir, 5)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], env=slurm_env(job.conf),
-                   check=True, timeout=60)
+    job.cancel(signal="USR1")
     fields = job.wait_end()
     output = job.output()
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \

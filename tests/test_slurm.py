@@ -6,7 +6,6 @@ multi-node torchrun path without SLURM. The tests marked `slurm` are skipped wit
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch
 from conftest import REPO, TINY, TRAIN, Result, child_env, launch, torchrun_cmd
 from dtrain import slurm
 from dtrain.env import port_for_job
+from slurm_jobs import Job, slurm_env, train_steps
 
 CONFIG = "configs/default.yaml"
 STEPS = 48  # 3 epochs of 16 steps: 512 samples, 16 per rank, 2 ranks
@@ -29,8 +29,6 @@ JOB = ["model.name=user_code:slow_cnn", "train.epochs=3"]
 FAST = "model.args={width: 8, sleep_s: 0}"
 # Slow enough that a signal sent after step 5 lands well before step 48, on a busy machine too.
 PACED = "model.args={width: 8, sleep_s: 0.15}"
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
 def cluster_problem() -> Optional[str]:
@@ -53,63 +51,13 @@ _PROBLEM = cluster_problem()
 needs_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 
 
-def slurm_env(extra: Optional[dict] = None) -> dict:
-    """The test's environment without any SLURM job's variables (the suite itself may run in a job)."""
-    env = {k: v for k, v in child_env(extra).items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env["PYTHON"] = sys.executable
-    return env
-
-
-class Job:
-    def __init__(self, job_id: str, output: Path) -> None:
-        self.id, self.output_path = job_id, output
-
-    def fields(self) -> dict[str, str]:
-        return slurm.job_fields(self.id)
-
-    def output(self) -> str:
-        return self.output_path.read_text() if self.output_path.exists() else ""
-
-    def wait_end(self, timeout: float = 150) -> dict[str, str]:
-        """The job's fields once it is over (requeued jobs included, until their last run ends)."""
-        deadline = time.monotonic() + timeout
-        seen: list[str] = []
-        while time.monotonic() < deadline:
-            fields = self.fields()
-            state = fields.get("JobState", "?")
-            if not seen or seen[-1] != state:
-                seen.append(state)
-            if state in FINAL_STATES:
-                return fields
-            time.sleep(0.5)
-        subprocess.run(["scancel", self.id], capture_output=True)
-        pytest.fail(f"job {self.id} not over after {timeout} s (states {seen}):\n"
-                    f"{self.output()[-4000:]}")
-
-    def wait_for_step(self, run_dir: Path, step: int, timeout: float = 120) -> None:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if metrics.exists() and any(json.loads(line)["step"] >= step
-                                        for line in metrics.read_text().splitlines() if line):
-                return
-            if self.fields().get("JobState") in FINAL_STATES:
-                pytest.fail(f"job {self.id} ended before step {step}:\n{self.output()[-4000:]}")
-            time.sleep(0.2)
-        subprocess.run(["scancel", self.id], capture_output=True)
-        pytest.fail(f"job {self.id} did not reach step {step} in {timeout} s:\n{self.output()[-4000:]}")
-
-    def signal_batch_shell(self, name: str) -> None:
-        """What SLURM does before the time limit with `--signal=B:USR1@...`."""
-        subprocess.run(["scancel", f"--signal={name}", "--batch", self.id], check=True)
-
-
 def sbatch(tmp_path: Path, args: list[str], env: Optional[dict] = None) -> Job:
     """sbatch on CPUs, as a user of a CPU partition would: the scripts' #SBATCH GPU request and
     sizes are overridden on the command line. The job's output goes to tmp_path."""
     proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out",
                            "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", *args],
-                          cwd=REPO, env=slurm_env(env), capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=slurm_env(extra=env), capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     return Job(job_id, tmp_path / f"slurm-{job_id}.out")
@@ -124,10 +72,6 @@ def submit(script: str, tmp_path: Path, sbatch_args: list[str], train_args: list
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     return torch.load(run_dir / "checkpoints" / latest / "checkpoint.pt", weights_only=True)["model"]
-
-
-def train_steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in Result(0, "", "", run_dir).records() if "loss" in r]
 
 
 def assert_same_run(run_dir: Path, reference: Result) -> None:
@@ -235,7 +179,7 @@ def preempt_and_finish(job, run_dir: Path) -> str:
     """Send the time-limit warning to the batch shell mid-run; the job must checkpoint, requeue
     itself once and complete. Returns the job's output."""
     job.wait_for_step(run_dir, 5)
-    job.signal_batch_shell("USR1")
+    job.cancel(signal="USR1")
     fields = job.wait_end()
     output = job.output()
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \

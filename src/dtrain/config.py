@@ -56,6 +56,8 @@ class DDPConfig:
     find_unused_parameters: bool = _opt(False)
     static_graph: bool = _opt(False)
     broadcast_buffers: bool = _opt(True)
+    gradient_as_bucket_view: bool = _opt(True, doc="gradients are views into the all-reduce "
+                                          "buckets: one copy of them, not two")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtrain import models, sharded_init
+from dtrain import host_memory, models, sharded_init
 from dtrain.config import Config
 from dtrain.dist import Runtime
 from dtrain.errors import UserError
@@ -158,6 +158,8 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
     if cfg.parallel.mode != "fsdp" or not runtime.env.distributed:
         model = construct()
         return wrap(model, cfg, runtime), _count(model), []
+    memory_note = host_memory.return_freed_memory()
+    notes = [memory_note] if memory_note else []
     shards, index = shard_layout(cfg)
     try:
         model, params, buffers = sharded_init.build_local(construct, shards, index)
@@ -166,13 +168,14 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
                     f"({e}); building it whole on every rank, then sharding it")
         model = construct()
         return wrap(model, cfg, runtime), _count(model), [
-            f"model built whole on every rank, then sharded ({e})"]
+            f"model built whole on every rank, then sharded ({e})", *notes]
     count = _count(model)
     wrapped = wrap(model, cfg, runtime, on_meta=True)
     wrapped.to_empty(device=runtime.device)
     sharded_init.materialize(wrapped, params, buffers)
     return wrapped, count, [f"model constructed shard by shard: each rank built only its "
-                            f"own 1/{shards} of every large tensor (values as the whole model's)"]
+                            f"own 1/{shards} of every large tensor (values as the whole model's)",
+                            *notes]
 
 
 def shard_layout(cfg: Config) -> tuple[int, int]:
@@ -220,7 +223,8 @@ def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False)
                         inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
         return DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
                    bucket_cap_mb=ddp.bucket_cap_mb, find_unused_parameters=ddp.find_unused_parameters,
-                   static_graph=ddp.static_graph, **{sync_buffers: ddp.broadcast_buffers})
+                   static_graph=ddp.static_graph, gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+                   **{sync_buffers: ddp.broadcast_buffers})
     return _fully_shard(model, blocks, cfg, runtime)
 
 

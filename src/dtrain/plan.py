@@ -456,7 +456,8 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
     memory = []
     for precision in ("fp32", low):
         itemsize = 4 if precision == "fp32" else 2
-        ddp_buffers = trainable if world > 1 else 0  # DDP's gradient buckets
+        # DDP's gradient buckets: the gradients themselves when they are views into them
+        ddp_buffers = trainable if world > 1 and not cfg.parallel.ddp.gradient_as_bucket_view else 0
         fsdp_buffers = 0
         if shards > 1:
             # gathered: the root's parameters, this block's and the prefetched next one's;

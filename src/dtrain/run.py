@@ -90,8 +90,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         local, full = local_and_full(p)
         totals["params"] += local
         totals["unsharded"] += full
-        if p.grad is not None:
-            local, full = local_and_full(p.grad)
+        if p.requires_grad:  # its gradient, as large, exists from each backward to the step
             totals["grads"] += local
             totals["unsharded"] += full
     for per_param in optimizer.state.values():

@@ -157,7 +157,6 @@ class Trainer:
         started = time.perf_counter()
         model.train()
         self.schedule.apply(self.state.step)
-        self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device, dtype=torch.float32)
         data_wait = 0.0
         for micro in range(self.accum):
@@ -190,6 +189,8 @@ class Trainer:
             del self.optimizer.found_inf, self.optimizer.grad_scale
         elif not bool(skip):  # an optimizer without a masked step: one wait per step
             self.optimizer.step()
+        # Freed now, not at the next step: evaluations and saves run without them.
+        self.optimizer.zero_grad(set_to_none=True)
         self.pending.add(step_loss, skip, norm)
         return StepTimes(data_wait_s=data_wait, step_time_s=time.perf_counter() - started)
 

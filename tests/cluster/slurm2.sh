@@ -83,31 +83,9 @@ ClusterName=$CLUSTER
 SlurmctldHost=$ctl_host($GATEWAY)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# A requeued job waits cred_expire seconds (120 by default) before it may start again.
-AuthInfo=cred_expire=5
-MpiDefault=none
-# No cgroups: process tracking through /proc, no task binding (works in containers too).
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-# Look at pending jobs (a requeued one) every 2 s rather than every minute.
-SchedulerParameters=sched_interval=2,bf_interval=2
-# Use the CPUs declared below, not the ones slurmd counts.
-SlurmdParameters=config_overrides
-ReturnToService=2
-# Jobs may be requeued (scontrol requeue, preemption); finished jobs stay visible for 5 minutes.
-JobRequeue=1
-MinJobAge=300
-KillWait=30
+CONF
+        cat "$HERE/../slurm/common.conf"
+        cat <<CONF
 StateSaveLocation=$STATE_DIR
 # %n: the node's name, so that the two slurmd on this one machine keep apart.
 SlurmdSpoolDir=$SPOOL_DIR/%n

@@ -15,6 +15,7 @@
 # real cluster keeps its own.
 set -euo pipefail
 
+HERE=$(cd "$(dirname "$0")" && pwd)
 CONF=/etc/slurm/slurm.conf
 MARK="# Written by tests/slurm/cluster.sh"
 LOG_DIR=/var/log/slurm
@@ -93,31 +94,9 @@ $MARK: a one-node test cluster.
 # Delete this file to let the script write a fresh one.
 ClusterName=dtraintest
 SlurmctldHost=$node(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# A requeued job waits cred_expire seconds (120 by default) before it may start again.
-AuthInfo=cred_expire=5
-MpiDefault=none
-# No cgroups: process tracking through /proc, no task binding (works in containers too).
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-# Look at pending jobs (a requeued one) every 2 s rather than every minute.
-SchedulerParameters=sched_interval=2,bf_interval=2
-# Use the CPUs declared below, not the ones slurmd counts.
-SlurmdParameters=config_overrides
-ReturnToService=2
-# Jobs may be requeued (scontrol requeue, preemption); finished jobs stay visible for 5 minutes.
-JobRequeue=1
-MinJobAge=300
-KillWait=30
+EOF
+    cat "$HERE/common.conf" >>"$tmp"
+    cat >>"$tmp" <<EOF
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
