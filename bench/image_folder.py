@@ -9,9 +9,9 @@ not grow with the number of images.
   Normalize in the workers, and a DataLoader. Rounds alternate; medians.
 - Memory: the largest rank's peak RSS of a 2-rank run (20 steps) on a folder of 64x64 JPEGs with
   2,000 and with 20,000 images.
-- Small images learn: `configs/default.yaml` with only `data.name: imagefolder` and its root, on
-  a folder of 10,000 JPEGs of 32x32 (2 ranks, 3 epochs): the size it chose and the validation
-  accuracy it reached.
+- Small images learn: `configs/default.yaml` as it is (8 epochs) with only `data.name:
+  imagefolder` and its root, on the built-in set's 22,000 images of 32x32 written as PNG files,
+  2 ranks: the size it chose and the validation accuracy after each epoch.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from common import Figure  # noqa: E402
 BATCH, WORKERS, BATCHES = 64, 2, 40
 
 
-def write_folder(root: Path, count: int, side: int, classes: int = 10) -> Path:
-    """`count` JPEGs of side x side in root/{train,val}/<class>/ (a tenth of them in val):
-    the built-in synthetic shapes, scaled up, with a little noise so that they compress like
+def write_folder(root: Path, count: int, side: int, classes: int = 10, noise: float = 12,
+                 suffix: str = "jpg") -> Path:
+    """`count` images of side x side in root/{train,val}/<class>/ (a tenth of them in val): the
+    built-in synthetic shapes, scaled to `side`, with `noise` added so that JPEGs compress like
     photographs rather than flat drawings."""
     import torch
     from PIL import Image
@@ -44,11 +45,14 @@ def write_folder(root: Path, count: int, side: int, classes: int = 10) -> Path:
         for i in range(n):
             folder = root / split / f"class_{int(labels[i]) % classes}"
             folder.mkdir(parents=True, exist_ok=True)
-            image = torch.nn.functional.interpolate(images[i:i + 1].float(), size=(side, side),
-                                                    mode="bilinear", align_corners=False)[0]
-            image = (image + 12 * torch.randn(image.shape, generator=gen)).clamp(0, 255)
+            image = images[i]
+            if side != image.shape[-1]:
+                image = torch.nn.functional.interpolate(image[None].float(), size=(side, side),
+                                                        mode="bilinear", align_corners=False)[0]
+            if noise:
+                image = (image + noise * torch.randn(image.shape, generator=gen)).clamp(0, 255)
             Image.fromarray(image.to(torch.uint8).permute(1, 2, 0).numpy()).save(
-                folder / f"{i}.jpg", quality=90)
+                folder / f"{i}.{suffix}", **({"quality": 90} if suffix == "jpg" else {}))
     (root / "done").touch()
     return root
 
@@ -95,20 +99,20 @@ def peak_rss(work: Path, root: Path, tag: str) -> int:
         nproc=2, config=str(common.REPO / "configs" / "default.yaml")))
 
 
-def small_images_accuracy(work: Path, epochs: int = 3) -> tuple[float, str, float]:
-    """The default config on a folder of 32x32 JPEGs: final val_acc, the banner's size line and
-    the run's seconds."""
-    root = write_folder(work / "jpeg32", 10000, 32)
+def small_images_accuracy(work: Path) -> tuple[list[float], str, float]:
+    """`configs/default.yaml` as it is (8 epochs), with only the data changed to a folder of the
+    built-in set's 32x32 images written as PNG files: val_acc after each epoch, the banner's line
+    on size, and the run's seconds."""
+    root = write_folder(work / "png32", 22000, 32, noise=0, suffix="png")  # 19,800 + 2,200
     run_dir = work / "runs" / "small-images"
     started = time.perf_counter()
-    common.run(common.dtrain_cmd(run_dir, ["data.name=imagefolder", f"data.root={root}",
-                                           f"train.epochs={epochs}"],
-                                 nproc=2, config=str(common.REPO / "configs" / "default.yaml")),
-               timeout=1200)
+    common.run(common.dtrain_cmd(run_dir, ["data.name=imagefolder", f"data.root={root}"], nproc=2,
+                                 config=str(common.REPO / "configs" / "default.yaml")),
+               timeout=1800)
     seconds = time.perf_counter() - started
-    accuracy = [r["val_acc"] for r in common.records(run_dir) if "val_acc" in r][-1]
+    accuracy = [r["val_acc"] for r in common.records(run_dir) if "val_acc" in r]
     size = re.search(r"images \d+x\d+ \([^)]*\)", (run_dir / "log.txt").read_text())
-    return accuracy, size.group(0) if size else "size line not found", seconds
+    return accuracy, size.group(0) if size else "no size line", seconds
 
 
 def run(work: Path, rounds: int = 3) -> list[Figure]:
@@ -133,8 +137,9 @@ def run(work: Path, rounds: int = 3) -> list[Figure]:
         Figure("image folder: peak RSS per rank 20k/2k images", large_peak / small_peak, "x",
                "<= 1.1", f"{large_peak / mib:.0f} vs {small_peak / mib:.0f} MiB (largest rank, "
                f"64 px JPEGs, 2 ranks, 20 steps)"),
-        Figure("image folder: 32x32 JPEGs, default config, val accuracy", accuracy, "", ">= 0.9",
-               f"{size}; 10,000 images, 2 ranks, 3 epochs, {seconds:.0f} s"),
+        Figure("image folder: 32x32 PNGs, default config, final val accuracy", accuracy[-1], "",
+               ">= 0.9", f"per epoch {', '.join(f'{a:.3f}' for a in accuracy)}; {size}; 2 ranks, "
+               f"{seconds:.0f} s"),
     ]
 
 

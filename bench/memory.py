@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,10 @@ def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int, float]:
     peak = common.run_peak_rss(common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2),
                                timing_malloc=False)
     startup = re.search(r"\(([\d.]+) s since the process started\)", (run_dir / "log.txt").read_text())
-    return common.records(run_dir)[0]["state_bytes"], peak, float(startup.group(1))
+    state = common.records(run_dir)[0]["state_bytes"]
+    # Its final checkpoint (1.8 GB) would only weigh on the disk for the benchmarks after this one.
+    shutil.rmtree(run_dir)
+    return state, peak, float(startup.group(1))
 
 
 def planned(mode: str) -> tuple[int, int]:
@@ -71,6 +75,7 @@ def under_limit(work: Path, mode: str, limit: int) -> Optional[tuple[int, int, i
         proc = subprocess.run([sys.executable, "-c", join, *cmd], cwd=common.REPO,
                               env=common.env(timing_malloc=False), capture_output=True, text=True,
                               timeout=900)
+        shutil.rmtree(work / "runs" / f"limited-{mode}", ignore_errors=True)
         oom = (group / "memory.oom_control").read_text()
         kills = int(re.search(r"oom_kill (\d+)", oom).group(1)) if "oom_kill " in oom else -1
         return proc.returncode, kills, int((group / "memory.max_usage_in_bytes").read_text())

@@ -1,6 +1,6 @@
 """Run every benchmark and print its figures against the goals (`make bench`).
 
-    python bench/run_all.py                      # all of them, about 10 minutes on 2 cores
+    python bench/run_all.py                      # all of them, about 20 minutes on 2 cores
     python bench/run_all.py --only overhead,startup --rounds 5
 
 Figures are measured, never pass/fail: the exit status is 0 unless a benchmark could not run.
@@ -30,7 +30,7 @@ import peers  # noqa: E402
 import startup  # noqa: E402
 from common import Figure  # noqa: E402
 
-BENCHMARKS = {"overhead": overhead, "memory": memory, "checkpoint": checkpoint_io,
+BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memory,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes}
 # Run on request only (--only exit_codes): 40 launches, several minutes.
