@@ -1,0 +1,39 @@
+"""The benchmarks keep working as dtrain changes: every one imports, and those that drive dtrain
+in-process (checkpoint save/load, the memory plan) run against today's code. The figures
+themselves are measured by `make bench`, never asserted here."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+from conftest import REPO
+
+sys.path.append(str(REPO / "bench"))  # after everything else: its module names are plain
+
+
+def test_every_benchmark_imports_and_is_listed() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "nothing"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2  # argparse's error: an unknown name, after every module imported
+    assert "unknown benchmark(s) nothing; choose from overhead, checkpoint, memory, startup, " \
+           "pipeline, images, peers, exit_codes" in proc.stderr
+
+
+def test_checkpoint_benchmark_runs(tmp_path) -> None:
+    import checkpoint_io
+    figures = checkpoint_io.run(tmp_path, rounds=1)
+    assert [f.name.split(",")[0] for f in figures] == [
+        "checkpoint: save throughput dtrain/(torch.save+fsync)",
+        "checkpoint: load throughput dtrain/(torch.load+load_state_dict)",
+        "checkpoint: async save"]
+    assert all(math.isfinite(f.value) and f.value > 0 for f in figures), figures
+
+
+def test_memory_benchmark_plans_its_model() -> None:
+    import memory
+    (ddp_state, ddp_total), (fsdp_state, fsdp_total) = memory.planned("ddp"), memory.planned("fsdp")
+    assert ddp_state > 2 * 2**30  # 151 M parameters with AdamW: 2.3 GiB
+    assert abs(2 * fsdp_state - ddp_state) < 2**20  # half, to the rows an uneven shard adds
+    assert 0 < fsdp_total < ddp_total
