@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Result, dtrain, launch
-from test_checkpoint import kill_when, saved_step, start
+from conftest import dtrain, launch
+from test_checkpoint import kill_then_resume
 
 
 def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext: str = ".jpg",
@@ -50,7 +50,7 @@ def test_small_images_keep_their_size_and_get_cifar_style_augmentation(folder) -
     out = plan_lines(folder)
     assert "240 train / 80 val samples, 3x32x32 images, 10 classes" in out
     assert ("images 32x32 (the images' own size: every header read is 32x32), transform cifar "
-            "(auto: small images, <= 64 px)") in out
+            "(auto: trained at 32 px, <= 64)") in out
 
 
 def test_larger_or_mixed_images_go_to_224_with_imagenet_transforms(tmp_path) -> None:
@@ -58,9 +58,10 @@ def test_larger_or_mixed_images_go_to_224_with_imagenet_transforms(tmp_path) -> 
     out = plan_lines(mixed)
     assert ("images 224x224 (the default for images that are not all of one square size <= 64 "
             "px, headers read: 32x32, 40x40; set data.image_size to choose), transform imagenet "
-            "(auto: images larger than 64 px)") in out
+            "(auto: trained at 224 px, above 64)") in out
     big = image_folder(tmp_path / "big", train=2, val=1, size=96)
-    assert "images 224x224" in plan_lines(big) and "headers read: 96x96" in plan_lines(big)
+    out = plan_lines(big)
+    assert "images 224x224" in out and "headers read: 96x96" in out
     chosen = plan_lines(big, "data.image_size=64", "data.transform=cifar")
     assert "images 64x64 (data.image_size), transform cifar (data.transform)" in chosen
 
@@ -219,14 +220,12 @@ def test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact(tmp_path)
               "train.epochs=2", "ckpt.every_steps=5", "ckpt.keep_last=10"]
     straight = launch(tmp_path / "runs" / "straight", [*common, "data.num_workers=0"], nproc=2)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "killed"
-    proc = start(run_dir, [*common, "data.num_workers=2"], nproc=2)
-    kill_when(proc, lambda: saved_step(run_dir) >= 10)
-    assert saved_step(run_dir) < 50
-    resumed = launch(run_dir, [*common, "data.num_workers=2"], nproc=2)
+    killed_at, resumed = kill_then_resume(tmp_path / "runs" / "killed",
+                                          [*common, "data.num_workers=2"], at_step=10)
+    assert killed_at < 50
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    assert Result(0, "", "", run_dir).losses() == straight.losses()  # bitwise, 0 vs 2 workers
+    assert resumed.losses() == straight.losses()  # bitwise, 0 vs 2 workers
 
 
 @pytest.mark.slow

@@ -344,8 +344,8 @@ def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
     if cfg.transform != "auto":
         return cfg.transform, "data.transform"
     if size <= NATIVE_MAX:
-        return "cifar", f"auto: small images, <= {NATIVE_MAX} px"
-    return "imagenet", f"auto: images larger than {NATIVE_MAX} px"
+        return "cifar", f"auto: trained at {size} px, <= {NATIVE_MAX}"
+    return "imagenet", f"auto: trained at {size} px, above {NATIVE_MAX}"
 
 
 # ---------------------------------------------------------------------------------------------

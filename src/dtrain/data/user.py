@@ -50,6 +50,8 @@ def declared_info(train: Dataset) -> dict[str, Any]:
 def build(cfg: DataConfig) -> tuple[Dataset, Dataset, dict[str, Any]]:
     result = load_callable(cfg.name, "data.name")(cfg)
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise UserError(f"data error: {cfg.name} must return (train_dataset, val_dataset)")
+        got = (f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__)
+        raise UserError(f"data error: {cfg.name} must return (train_dataset, val_dataset); it "
+                        f"returned {got}")
     train, val = result
     return IndexOnly(train), val, declared_info(train)
