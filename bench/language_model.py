@@ -36,15 +36,13 @@ def run_mode(work: Path, mode: str, entropy: float, overrides: list[str]) -> dic
     common.run(common.dtrain_cmd(run_dir, [f"parallel.mode={mode}", "log.tensorboard=true",
                                            *overrides], nproc=2, config=CONFIG), timeout=1800)
     finished = time.time() - launched
-    events = common.scalar_events(run_dir, "val/bits_per_byte")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     accumulator = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     accumulator.Reload()
-    values = [e.value for e in accumulator.Scalars("val/bits_per_byte")]
-    reached = next((t - launched for (step, t), v in zip(events, values) if v <= TARGET * entropy),
-                   None)
-    return {"final": values[-1], "reached": reached, "total": finished,
-            "steps": events[-1][0], "evals": list(zip([s for s, _ in events], values))}
+    events = accumulator.Scalars("val/bits_per_byte")  # step, dtrain's wall time, value
+    reached = next((e.wall_time - launched for e in events if e.value <= TARGET * entropy), None)
+    return {"final": events[-1].value, "reached": reached, "total": finished,
+            "steps": events[-1].step, "evals": [(e.step, e.value) for e in events]}
 
 
 def run(work: Path, rounds: int = 1, overrides: tuple[str, ...] = ()) -> list[Figure]:

@@ -19,6 +19,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert proc.returncode == 2  # argparse's error: an unknown name, after every module imported
     assert "unknown benchmark(s) nothing; choose from overhead, checkpoint, memory, startup, " \
            "pipeline, images, peers, exit_codes" in proc.stderr
+    import language_model  # run on its own (`make bench` leaves it out: ten minutes)
+    assert callable(language_model.run)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

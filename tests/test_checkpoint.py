@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, TINY, child_env, kill_tree, launch, torchrun_cmd
+from conftest import REPO, TRAIN, TINY, Result, child_env, kill_tree, launch, torchrun_cmd
 
 STEPS = 24
 SLOW = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
@@ -61,6 +61,15 @@ def saved_step(run_dir: Path) -> int:
     return json.loads((latest(run_dir) / "COMPLETE").read_text())["step"] if path.exists() else 0
 
 
+def kill_then_resume(run_dir: Path, overrides: list[str], at_step: int) -> tuple[int, Result]:
+    """A 2-rank run SIGKILLed (torchrun and every worker) once a checkpoint of `at_step` or
+    later is saved, then the same command again: the step it was killed at, and the relaunch."""
+    proc = start(run_dir, overrides, nproc=2)
+    kill_when(proc, lambda: saved_step(run_dir) >= at_step)
+    killed_at = saved_step(run_dir)
+    return killed_at, launch(run_dir, overrides, nproc=2)
+
+
 def assert_identical(straight, resumed_dir: Path) -> None:
     resumed_losses = {r["step"]: r["loss"] for r in
                       (json.loads(l) for l in (resumed_dir / "metrics.jsonl").read_text().splitlines())
@@ -92,11 +101,8 @@ def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(straight_runs
     overrides = [*SLOW, f"parallel.mode={mode}", f"data.num_workers={workers}"]
     straight = straight_runs[mode]
     run_dir = tmp_path / "runs" / "killed"
-    proc = start(run_dir, overrides, nproc=2)
-    kill_when(proc, lambda: saved_step(run_dir) >= 6)
-    killed_at = saved_step(run_dir)
+    killed_at, resumed = kill_then_resume(run_dir, overrides, at_step=6)
     assert killed_at < STEPS
-    resumed = launch(run_dir, overrides, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_line = [l for l in (run_dir / "log.txt").read_text().splitlines() if "resumed from" in l][0]
     assert f"step_{killed_at:06d}" in resumed_line

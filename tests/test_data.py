@@ -26,6 +26,20 @@ def test_sampler_order_equals_distributed_sampler(size, world, drop_last) -> Non
             assert all(e == epoch for e, _ in ours)
 
 
+def test_sampler_length_is_computed_as_its_order_gives_it() -> None:
+    """len() is computed without drawing the epoch's permutation (a million-image folder): it
+    must equal the length of the order that iterating serves, split over the ranks, for every
+    size, world size, tail rule and resume point."""
+    for world in range(1, 6):
+        for size in range(0, 23):
+            for drop_last in (True, False):
+                for consumed in range(0, 30, 3):
+                    sampler = ResumableSampler(size, 0, world, seed=2, drop_last=drop_last)
+                    sampler.set_epoch(1, consumed)
+                    assert len(sampler) == len(sampler._order()) // world, \
+                        (size, world, drop_last, consumed)
+
+
 @pytest.mark.parametrize("before,after", [(2, 2), (2, 1), (1, 2), (2, 3)])
 def test_resuming_mid_epoch_serves_each_remaining_sample_once(before, after) -> None:
     size, batch, steps = 96, 4, 5

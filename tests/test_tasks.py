@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import Result, dtrain, launch
-from test_checkpoint import kill_when, latest, saved_step, start
+from test_checkpoint import kill_then_resume, latest
 
 SEQ = 32
 GPT_ARGS = f"model.args={{dim: 32, depth: 2, heads: 2, seq_len: {SEQ}}}"
@@ -124,14 +124,12 @@ def test_language_model_killed_and_resumed_is_bit_exact(lm_runs, tmp_path) -> No
     straight = launch(tmp_path / "runs" / "straight", [*slow, "parallel.mode=ddp"], nproc=2)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert straight.losses() == lm_runs["ddp"].losses()  # the slow model computes the same
-    run_dir = tmp_path / "runs" / "killed"
-    proc = start(run_dir, [*slow, "parallel.mode=ddp"], nproc=2)
-    kill_when(proc, lambda: saved_step(run_dir) >= 4)
-    assert saved_step(run_dir) < 12
-    resumed = launch(run_dir, [*slow, "parallel.mode=ddp"], nproc=2)
+    killed_at, resumed = kill_then_resume(tmp_path / "runs" / "killed",
+                                          [*slow, "parallel.mode=ddp"], at_step=4)
+    assert killed_at < 12
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    assert Result(0, "", "", run_dir).losses() == straight.losses()  # bitwise
+    assert resumed.losses() == straight.losses()  # bitwise
 
 
 # ---------------------------------------------------------------------------------------------

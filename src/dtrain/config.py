@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 import yaml
 
 from dtrain.errors import UserError
+from dtrain.imports import is_import_path
 
 Check = tuple[Callable[[Any], bool], str]
 
@@ -145,7 +146,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = _opt("sgd", check=(lambda v: v in ("sgd", "adam", "adamw") or ":" in v,
+    name: str = _opt("sgd", check=(lambda v: v in ("sgd", "adam", "adamw") or is_import_path(v),
                                    "must be sgd, adam, adamw or module:function"))
     lr: float = _opt(0.1, check=POSITIVE)
     weight_decay: float = _opt(5e-4, check=NON_NEGATIVE)
@@ -160,7 +161,7 @@ class OptimConfig:
 @dataclass
 class SchedConfig:
     name: str = _opt("cosine", check=(lambda v: v in ("cosine", "step", "plateau", "none")
-                                      or ":" in v,
+                                      or is_import_path(v),
                                       "must be cosine, step, plateau, none or module:function"))
     warmup_steps: int = _opt(0, check=NON_NEGATIVE)
     min_lr: float = _opt(0.0, check=NON_NEGATIVE, doc="cosine floor")

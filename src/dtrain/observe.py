@@ -24,10 +24,10 @@ from dtrain.config import Config, flatten, to_dict
 log = logging.getLogger("dtrain")
 
 
-def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
+def setup_logging(rank: int, all_ranks: bool) -> None:
     """Rank 0 logs to the console and log.txt; rank N to log.rankN.txt (and the console if asked).
-    Without a run directory yet, lines are kept until `attach_log_files` names it: a run writes
-    nothing there before the directory is known to be its own."""
+    Lines are kept until `attach_log_files` names the run directory: a run writes nothing there
+    before the directory is known to be its own."""
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -40,8 +40,6 @@ def setup_logging(run_dir: Optional[str], rank: int, all_ranks: bool) -> None:
     early = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
     early.setFormatter(fmt)
     log.addHandler(early)
-    if run_dir is not None:
-        attach_log_files(run_dir, rank)
 
 
 def attach_log_files(run_dir: str, rank: int) -> None:
@@ -205,10 +203,9 @@ class Progress:
         now = time.monotonic()
         if self.first_done is None:
             self.first_done = done - 1
-        figures = self.latest[1] if self.latest is not None else self.figures
-        self.latest = (done, figures)
+        self.latest = (done, self.figures)
         if now - self.last_draw >= self.REDRAW_S or done >= self.epoch_steps:
-            self._render(done, figures, now)
+            self._render(done, self.figures, now)
             self.redraw()
 
     def line_due(self) -> bool:

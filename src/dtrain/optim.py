@@ -36,15 +36,14 @@ def no_decay_names(model: nn.Module, rule: Any) -> set[str]:
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
     """One group with weight decay and one without (either left out when empty). A parameter
-    shared by two modules (tied weights) is in one group once."""
-    plain = model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model
+    shared by two modules (tied weights) is in one group once: named_parameters() names it once."""
+    from dtrain.parallel import unwrap
+    plain = unwrap(model)
     exempt = no_decay_names(plain, cfg.no_decay)
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay = [], []
     for name, param in plain.named_parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (no_decay if name in exempt else decay).append(param)
+        if param.requires_grad:
+            (no_decay if name in exempt else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

@@ -6,6 +6,7 @@ FSDP shards, and without renaming any parameter, so checkpoints load across mode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Optional
@@ -22,6 +23,15 @@ from dtrain.errors import UserError
 from dtrain.observe import log
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, is_fsdp: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward pass's precision: FSDP applies it through its mixed-precision policy, every
+    other mode autocasts."""
+    dtype = PRECISION_DTYPES[precision]
+    if dtype == torch.float32 or is_fsdp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def find_blocks(model: nn.Module, class_names: Optional[list[str]] = None) -> list[nn.Module]:
@@ -233,17 +243,13 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     fsdp = cfg.parallel.fsdp
-    world = torch_dist.get_world_size()
-    replicas = fsdp.hybrid_replicas
-    if world % replicas:
-        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
-                        f"the world size {world}")
+    shards, _ = shard_layout(cfg)
+    replicas = torch_dist.get_world_size() // shards
     device_type = runtime.device.type
     if replicas > 1:
-        mesh = init_device_mesh(device_type, (replicas, world // replicas),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("shard",))
     if fsdp.cpu_offload and device_type != "cuda":
         raise UserError("config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "
                         "on the CPU the state is already in host memory")

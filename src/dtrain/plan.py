@@ -28,6 +28,7 @@ from dtrain import data, models, parallel, tasks
 from dtrain.config import Config, dump
 from dtrain.env import Env
 from dtrain.errors import UserError
+from dtrain.imports import is_import_path
 
 # Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
 KNOWN_DATASETS = {
@@ -120,7 +121,7 @@ def _dataset_shapes(cfg: Config) -> data.Datasets:
     for images, the size and transform a run would choose, as a note)."""
     from dtrain.data import images
     dcfg = cfg.data
-    if ":" in dcfg.name:  # a user's datasets: constructing them is the only way to learn the sizes
+    if is_import_path(dcfg.name):  # a user's datasets: constructing them is the only way to learn the sizes
         return data.build(dcfg, cfg.run.seed, cfg.model.args)
     if dcfg.name == "text":
         from dtrain.data import text

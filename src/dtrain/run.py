@@ -138,7 +138,7 @@ def train(cfg: Config, config_path: Optional[str] = None) -> str:
                         and cfg.parallel.fsdp.cpu_offload)
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
-    setup_logging(None, dist.rank(), cfg.log.all_ranks)
+    setup_logging(dist.rank(), cfg.log.all_ranks)
     signals.install()
     lock = RunDirLock(cfg.run_dir)
     record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
@@ -195,7 +195,7 @@ def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pie
     wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, runtime)
     notes += model_notes
     clock.mark("model and wrap")
-    _check_task(cfg, task, wrapped, loaders[2], runtime.device, datasets.on_device)
+    _check_task(cfg, task, wrapped, loaders[2], runtime.device, datasets.on_device, is_fsdp)
     if is_fsdp:
         parallel.reshard(wrapped)
     starting = StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained \
@@ -206,15 +206,12 @@ def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pie
 
 
 def _check_task(cfg: Config, task: tasks.Task, model: nn.Module, val_loader: Any,
-                device: torch.device, on_device: Any) -> None:
+                device: torch.device, on_device: Any, is_fsdp: bool) -> None:
     """The task once on the first validation batch, on every rank; the first problem any rank
     finds ends every rank with the same line (exit 2)."""
     batch = data.to_device(next(iter(val_loader)), device, on_device, cfg.model.channels_last)
-    dtype = parallel.PRECISION_DTYPES[cfg.train.precision]
-    autocast = torch.autocast(device.type, dtype=dtype,
-                              enabled=dtype != torch.float32 and cfg.parallel.mode != "fsdp")
     try:
-        with autocast:
+        with parallel.autocast(cfg.train.precision, is_fsdp, device):
             problem = tasks.check(task, model, batch, cfg.ckpt.monitor)
     except UserError as e:
         problem = str(e)

@@ -216,10 +216,9 @@ def build_local(build: Callable[[], nn.Module], shards: int, index: int
 def materialize(sharded: nn.Module, params: dict[str, Any], buffers: dict[str, Any]) -> None:
     """Copy the values `build_local` kept into `sharded` (the same model, wrapped by fully_shard
     and materialised with `to_empty`): each rank's parameter shards, and whole buffers."""
-    kept = params
     with torch.no_grad():
         for name, param in sharded.named_parameters(remove_duplicate=False):
-            source = kept[name]
+            source = params[name]
             target = param.to_local() if hasattr(param, "to_local") else param
             if isinstance(source, Rows):
                 target.copy_(source.local)

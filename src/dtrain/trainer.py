@@ -17,13 +17,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from dtrain import dist, signals
+from dtrain import dist, parallel, signals
 from dtrain.config import Config
 from dtrain.data import Datasets, to_device
 from dtrain.errors import TrainingStopped
 from dtrain.observe import RunLog, Throughput, log, memory_stats
 from dtrain.optim import LRSchedule
-from dtrain.parallel import PRECISION_DTYPES, average_buffers
+from dtrain.parallel import average_buffers
 from dtrain.tasks import Task, batch_size
 
 
@@ -77,9 +77,6 @@ class Trainer:
         self.run_log, self.checkpoints, self.state = run_log, checkpoints, state
         self.accum = cfg.train.grad_accum
         self.samples_per_step = cfg.data.batch_size * self.accum * dist.world_size()
-        # FSDP applies the precision through its mixed-precision policy; other modes autocast.
-        dtype = PRECISION_DTYPES[cfg.train.precision]
-        self.autocast_dtype = None if dtype == torch.float32 or is_fsdp else dtype
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
         # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
         self.masked_step = scaler is None and masked_step_supported(optimizer)
@@ -251,9 +248,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        return parallel.autocast(self.cfg.train.precision, self.is_fsdp, self.device)
 
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm of the whole (unsharded) model, as a tensor on the device;
@@ -365,9 +360,10 @@ class Trainer:
             record.update(self._pending_record)
             replaced = self.datasets.replaced()  # the same None or not on every rank
             if replaced is not None:
-                total = dist.all_reduce_sum(torch.tensor([float(replaced)], device=self.device))
-                if total.item():
-                    record["bad_samples_replaced"] = int(total.item())
+                total = int(dist.all_reduce_sum(torch.tensor([float(replaced)],
+                                                             device=self.device)).item())
+                if total:
+                    record["bad_samples_replaced"] = total
             self._pending_record = {}
             if self.scaler is not None:
                 record["loss_scale"] = float(self.scaler.get_scale())

@@ -36,6 +36,7 @@ from dtrain.checkpoint.store import (LATEST, MARKER, Entry, Store, checkpoint_na
 from dtrain.config import Config, to_dict, training_differences
 from dtrain.errors import UserError
 from dtrain.observe import log
+from dtrain.parallel import unwrap
 
 __all__ = ["CheckpointError", "Checkpointer", "ConfigChanged", "open_checkpoint", "load_file",
            "DCP_DIR", "FULL_FILE", "META_FILE", "LATEST", "MARKER", "Store", "read_marker"]
@@ -114,8 +115,7 @@ class Checkpointer:
         # (The module's own state_dict has the names and global shapes the distributed
         # state-dict API uses; importing that API costs half a second, not to be paid before
         # the first step of a fresh start.)
-        plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        self._shapes = {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+        self._shapes = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
         self._full_data: Optional[dict[str, Any]] = None
         if dist.is_main():
             store.prepare()

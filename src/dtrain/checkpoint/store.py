@@ -272,18 +272,14 @@ class Store:
         Returns the checkpoint's folder."""
         final = os.path.join(self.dir, name)
         if os.path.exists(final):  # only an incomplete one can be there; a complete one is kept
-            if read_marker(final) is not None:
-                self.supersede([Entry(name, final, read_marker(final) or {})],
-                               "a checkpoint of the same name")
+            existing = read_marker(final)
+            if existing is not None:
+                self.supersede([Entry(name, final, existing)], "a checkpoint of the same name")
             else:
                 shutil.rmtree(final)
         newest = self.complete()
         marker = dict(marker, seq=(newest[0].seq if newest else 0) + 1, files=files)
-        with open(os.path.join(tmp, MARKER), "wb") as f:
-            f.write(json.dumps(marker, indent=1).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
+        write_atomic(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())  # + fsync(tmp)
         os.replace(tmp, final)
         fsync_dir(self.dir)
         latest = os.path.join(self.dir, LATEST)

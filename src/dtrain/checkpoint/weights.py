@@ -56,7 +56,8 @@ def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
 
 class StartingWeights:
     """The weights model.init_from or model.pretrained names, checked against the model before
-    anything of the run is written (`prepare`), loaded once the run knows it starts fresh (`load`).
+    anything of the run is written (on construction), loaded once the run knows it starts fresh
+    (`load`).
     Strict unless model.init_strict is false: every weight of the model not excluded by
     model.init_exclude must be in the file, with its shape."""
 
@@ -65,7 +66,7 @@ class StartingWeights:
         self.cfg = cfg
         self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
         ours = get_model_state_dict(model)
-        self.excluded = {k for k in ours if any(fnmatch.fnmatchcase(k, g) for g in cfg.init_exclude)}
+        self.excluded = {k for k in ours if self._excluded(k)}
         shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
         folder = self.path if os.path.isdir(self.path) else None
         sharded = folder is not None and (read_marker(folder) or {}).get("format") == "sharded"
@@ -77,13 +78,16 @@ class StartingWeights:
         self.weights: Optional[dict[str, torch.Tensor]] = None  # read by rank 0 only
         self.count = dist.on_main(lambda: self._check(shapes))
 
+    def _excluded(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in self.cfg.init_exclude)
+
     def _check(self, shapes: dict[str, tuple]) -> int:
         if self.sharded_folder is not None:
             theirs = {k: v for k, v in dcp_model_shapes(self.sharded_folder).items()
                       if k not in self.excluded}
         else:  # memory-mapped: read as the broadcast goes
             self.weights = {k: v for k, v in _state_dict_of(self.path).items()
-                            if not any(fnmatch.fnmatchcase(k, g) for g in self.cfg.init_exclude)}
+                            if not self._excluded(k)}
             theirs = {k: tuple(v.shape) for k, v in self.weights.items()}
         problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
         if problem:

@@ -72,7 +72,14 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         return iter([(self.epoch, i) for i in self._order()[self.rank::self.world_size]])
 
     def __len__(self) -> int:
-        return len(self._order()) // self.world_size
+        """Batches of this rank: _order()'s length by arithmetic (no permutation to draw)."""
+        size, world = self.size, self.world_size
+        total = size - size % world if self.drop_last else size + min(-size % world, size)
+        rest = max(total - self.consumed, 0)
+        uneven = rest % world
+        if uneven:
+            rest = rest - uneven if self.drop_last else rest + min(world - uneven, rest)
+        return rest // world
 
 
 class EvalSampler(Sampler[int]):

@@ -14,7 +14,7 @@ Where the validation text comes from: `<root>/train.txt` + `<root>/val.txt`, or 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -53,12 +53,16 @@ class ByteWindows(Dataset):
         return Stacked(self.windows[torch.tensor([index_of(k) for k in keys], dtype=torch.long)])
 
 
-def _read_text(path: str) -> bytes:
+def _text_files(path: str) -> list[str]:
+    """A file itself, or the .txt files of a folder in name order."""
     if os.path.isfile(path):
-        with open(path, "rb") as f:
-            return f.read()
-    files = sorted(os.path.join(path, n) for n in os.listdir(path)
-                   if n.endswith(".txt") and os.path.isfile(os.path.join(path, n)))
+        return [path]
+    return sorted(os.path.join(path, n) for n in os.listdir(path)
+                  if n.endswith(".txt") and os.path.isfile(os.path.join(path, n)))
+
+
+def _read_text(path: str) -> bytes:
+    files = _text_files(path)
     if not files:
         raise UserError(f"data error: no .txt files in '{path}'; put UTF-8 text files there")
     parts = []
@@ -68,23 +72,37 @@ def _read_text(path: str) -> bytes:
     return b"\n".join(parts)
 
 
-def _splits(cfg: DataConfig) -> tuple[bytes, bytes, str]:
-    text = cfg.text
-    if text.corpus == "python_docs":
-        data = python_docs()
-        cut = len(data) - int(len(data) * text.val_fraction)
-        return data[:cut], data[cut:], f"the built-in corpus (Python documentation, {len(data)} bytes)"
-    root = cfg.root
+def _text_size(path: str) -> int:
+    """The length of what _read_text returns, from the files' sizes alone."""
+    files = _text_files(path)
+    return sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1)
+
+
+def _sources(root: str) -> tuple[str, Optional[str]]:
+    """The training text and the validation text under `root` (train.txt and val.txt, or train/
+    and val/), or `root` alone and None: the validation text is then its last part."""
     if not os.path.exists(root):
         raise UserError(f"data error: text not found at '{root}': set data.root to a UTF-8 file "
                         f"or a folder of .txt files (or data.text.corpus=python_docs)")
     for train_name, val_name in (("train.txt", "val.txt"), ("train", "val")):
         train_path, val_path = os.path.join(root, train_name), os.path.join(root, val_name)
         if os.path.isdir(root) and os.path.exists(train_path) and os.path.exists(val_path):
-            return _read_text(train_path), _read_text(val_path), f"{train_path} and {val_path}"
-    data = _read_text(root)
+            return train_path, val_path
+    return root, None
+
+
+def _splits(cfg: DataConfig) -> tuple[bytes, bytes, str]:
+    text = cfg.text
+    if text.corpus == "python_docs":
+        data = python_docs()
+        cut = len(data) - int(len(data) * text.val_fraction)
+        return data[:cut], data[cut:], f"the built-in corpus (Python documentation, {len(data)} bytes)"
+    train_path, val_path = _sources(cfg.root)
+    if val_path is not None:
+        return _read_text(train_path), _read_text(val_path), f"{train_path} and {val_path}"
+    data = _read_text(train_path)
     cut = len(data) - int(len(data) * text.val_fraction)
-    return data[:cut], data[cut:], f"{root} (the last {text.val_fraction:.0%} held out for validation)"
+    return data[:cut], data[cut:], f"{train_path} (the last {text.val_fraction:.0%} held out for validation)"
 
 
 def _windows(size: int, seq_len: int, stride: int) -> int:
@@ -97,26 +115,14 @@ def window_counts(cfg: DataConfig, seq_len: int) -> tuple[int, int]:
     stride = cfg.text.stride or seq_len
     if cfg.text.corpus == "python_docs":
         total = len(python_docs())
-        val = int(total * cfg.text.val_fraction)
-        return _windows(total - val, seq_len, stride), _windows(val, seq_len, seq_len)
-    root = cfg.root
-    for train_name, val_name in (("train.txt", "val.txt"), ("train", "val")):
-        train_path, val_path = os.path.join(root, train_name), os.path.join(root, val_name)
-        if os.path.isdir(root) and os.path.exists(train_path) and os.path.exists(val_path):
+    else:
+        train_path, val_path = _sources(cfg.root)
+        if val_path is not None:
             return (_windows(_text_size(train_path), seq_len, stride),
                     _windows(_text_size(val_path), seq_len, seq_len))
-    if not os.path.exists(root):
-        _splits(cfg)  # raises the run's own error
-    total = _text_size(root)
+        total = _text_size(train_path)
     val = int(total * cfg.text.val_fraction)
     return _windows(total - val, seq_len, stride), _windows(val, seq_len, seq_len)
-
-
-def _text_size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    files = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".txt")]
-    return sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1)
 
 
 def _tensor(data: bytes) -> torch.Tensor:
