@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -21,6 +21,7 @@ from dtrain import config
 
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
+
     cfg = config.load(args.config, args.overrides)
     run.train(cfg, args.config)
     return 0
@@ -28,6 +29,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from dtrain import plan
+
     cfg = config.load(args.config, args.overrides)
     print(plan.report(cfg, nproc=args.nproc, nnodes=args.nnodes))
     return 0
@@ -35,24 +37,30 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from dtrain import doctor
+
     return doctor.main()
 
 
 def _export(args: argparse.Namespace) -> int:
     from dtrain import export
+
     export.export(args.checkpoint, args.out, args.format)
     return 0
 
 
 def _runs(args: argparse.Namespace) -> int:
     from dtrain import records
+
     print(records.table(args.out_dir))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtrain", description="Train PyTorch models with DDP or "
-                                     "FSDP from a YAML config, under torchrun, SLURM or alone.")
+    parser = argparse.ArgumentParser(
+        prog="dtrain",
+        description="Train PyTorch models with DDP or "
+        "FSDP from a YAML config, under torchrun, SLURM or alone.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> None:
@@ -72,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a checkpoint's weights for use without dtrain")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=("state_dict", "torchscript", "exported"), default="state_dict")
+    p.add_argument(
+        "--format", choices=("state_dict", "torchscript", "exported"), default="state_dict"
+    )
     p.set_defaults(handler=_export)
     p = sub.add_parser("runs", help="list past runs")
     p.add_argument("--out-dir", default="runs")
@@ -95,11 +105,12 @@ def _print_error(message: str, every_rank: bool = False) -> None:
 
 
 @record
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     from dtrain.checkpoint import CheckpointError
     from dtrain.errors import PeerFailure, TrainingStopped, UserError
+
     try:
         return handler(args)
     except (UserError, TrainingStopped, CheckpointError) as e:
@@ -110,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return e.exit_code
 
 
-def entry(argv: Optional[list[str]] = None) -> None:
+def entry(argv: list[str] | None = None) -> None:
     """Run the command and leave with its exit code, skipping the interpreter's teardown.
 
     After a complete run, a native destructor of torch's process-group code sometimes aborts the

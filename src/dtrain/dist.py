@@ -1,4 +1,4 @@
-"""The process group and the few collectives the loop needs; every helper is a no-op at world size 1.
+"""The process group and the few collectives the loop needs; each helper is a no-op at world size 1.
 
 The loop never calls torch.distributed itself: it asks `is_main()`, `all_reduce_sum()` and so on,
 so the same code runs as one process or many.
@@ -11,8 +11,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -27,15 +28,20 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Runtime:
     """What `init` settled: the device every tensor goes to and the backend in use."""
+
     env: Env
     device: torch.device
-    backend: Optional[str]  # None for a single process
+    backend: str | None  # None for a single process
 
 
 def pick_device(env: Env) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", device_index(env, torch.cuda.device_count()))
-    if not env.distributed and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+    if (
+        not env.distributed
+        and getattr(torch.backends, "mps", None)
+        and torch.backends.mps.is_available()
+    ):
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -65,9 +71,13 @@ def init(env: Env, cfg: DistConfig, cpu_collectives: bool = False) -> Runtime:
         return Runtime(env=env, device=device, backend=None)
     backend = pick_backend(cfg.backend, device, cpu_collectives)
     # env:// reads these; srun does not set them, torchrun does (setdefault keeps torchrun's).
-    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port)),
-                        ("RANK", str(env.rank)), ("WORLD_SIZE", str(env.world_size)),
-                        ("LOCAL_RANK", str(env.local_rank))):
+    for name, value in (
+        ("MASTER_ADDR", env.master_addr),
+        ("MASTER_PORT", str(env.master_port)),
+        ("RANK", str(env.rank)),
+        ("WORLD_SIZE", str(env.world_size)),
+        ("LOCAL_RANK", str(env.local_rank)),
+    ):
         os.environ.setdefault(name, value)
     init_timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
     torch_dist.init_process_group(
@@ -91,8 +101,13 @@ def _store_of_this_attempt(env: Env, timeout: datetime.timedelta) -> dict[str, A
     if env.launcher != "torchrun":
         return {}
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = torch_dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
-                                is_master=env.rank == 0 and not agent_hosts_store, timeout=timeout)
+    store = torch_dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        world_size=env.world_size,
+        is_master=env.rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
     prefixed = torch_dist.PrefixStore(f"dtrain/attempt_{env.restart_count}", store)
     return {"store": prefixed, "rank": env.rank, "world_size": env.world_size}
 
@@ -119,6 +134,7 @@ def _set_timeout(seconds: float) -> None:
         torch_dist.set_timeout(timeout)
     else:  # torch < 2.8
         from torch.distributed.distributed_c10d import _set_pg_timeout
+
         _set_pg_timeout(timeout)
 
 
@@ -186,7 +202,7 @@ def on_main(fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 alone and give every rank its result, or its UserError: one rank looks
     at shared files and decides, and every rank acts on the same decision."""
     result: Any = None
-    error: Optional[UserError] = None
+    error: UserError | None = None
     if is_main():
         try:
             result = fn()
@@ -198,8 +214,17 @@ def on_main(fn: Callable[[], T]) -> T:
     return result
 
 
-_COLLECTIVE_FAILURE_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset",
-                             "Broken pipe", "NCCL", "gloo", "ProcessGroup", "peer")
+_COLLECTIVE_FAILURE_SIGNS = (
+    "Timed out",
+    "timed out",
+    "Connection closed",
+    "Connection reset",
+    "Broken pipe",
+    "NCCL",
+    "gloo",
+    "ProcessGroup",
+    "peer",
+)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -208,10 +233,12 @@ def is_collective_failure(error: BaseException) -> bool:
     backend_error = getattr(torch_dist, "DistBackendError", ())
     if backend_error and isinstance(error, backend_error):
         return True
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in _COLLECTIVE_FAILURE_SIGNS)
+    return isinstance(error, RuntimeError) and any(
+        s in str(error) for s in _COLLECTIVE_FAILURE_SIGNS
+    )
 
 
-def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> Optional[list[int]]:
+def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> list[int] | None:
     """After a failed collective: the ranks that do not report back through the rendezvous store
     within `wait_s` (the stalled or dead ones). Every rank whose collective failed reports itself.
     None when the store itself is gone (its host, rank 0's agent, died)."""
@@ -244,7 +271,7 @@ def announce_abort(message: str) -> None:
         pass
 
 
-def abort_message(wait_s: float = 1.0) -> Optional[str]:
+def abort_message(wait_s: float = 1.0) -> str | None:
     """The message another rank announced before it stopped, if any (waiting up to `wait_s`)."""
     try:
         store = torch_dist.distributed_c10d._get_default_store()

@@ -14,19 +14,46 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 # Variables that decide how a run starts and talks: the launcher's and the backends'.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
-SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
-                   "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES",
-                   "SLURM_JOB_NODELIST", "SLURM_STEP_ID", "SLURM_GPUS_ON_NODE", "SLURM_RESTART_COUNT")
-NETWORK_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG",
-                     "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+)
+SLURM_VARIABLES = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NNODES",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_ID",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_RESTART_COUNT",
+)
+NETWORK_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_DEBUG",
+    "GLOO_SOCKET_IFNAME",
+    "OMP_NUM_THREADS",
+)
 ALL_REDUCE_TIMEOUT_S = 90.0
 
 # Run by each of the two processes of the collective check: rank, world size, port, backend.
@@ -62,12 +89,19 @@ def _gib(n: float) -> str:
 def check_versions() -> Check:
     try:
         import torchvision
+
         vision = torchvision.__version__
     except ImportError:
-        return Check("FAIL", "versions", f"torch {torch.__version__}; torchvision is not installed "
-                     f"(pip install torchvision)")
-    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
-             f"torchvision {vision}"]
+        return Check(
+            "FAIL",
+            "versions",
+            f"torch {torch.__version__}; torchvision is not installed (pip install torchvision)",
+        )
+    parts = [
+        f"python {platform.python_version()}",
+        f"torch {torch.__version__}",
+        f"torchvision {vision}",
+    ]
     if torch.version.cuda:
         parts.append(f"CUDA {torch.version.cuda}")
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -118,15 +152,19 @@ def check_devices() -> Check:
     if not torch.cuda.is_available():
         if torch.version.cuda and os.path.exists("/dev/nvidiactl"):
             verdict = "warn"  # an NVIDIA driver is loaded, yet torch cannot use it
-            parts.append("NVIDIA devices present but torch sees no GPU (driver too old for CUDA "
-                         f"{torch.version.cuda}? CUDA_VISIBLE_DEVICES?)")
+            parts.append(
+                "NVIDIA devices present but torch sees no GPU (driver too old for CUDA "
+                f"{torch.version.cuda}? CUDA_VISIBLE_DEVICES?)"
+            )
         else:
             parts.append("no GPU")
     for device in devices():
         if device.type == "cuda":
             free, total_gpu = torch.cuda.mem_get_info(device)
-            parts.append(f"{device} {torch.cuda.get_device_name(device)} "
-                         f"({_gib(free)} free of {_gib(total_gpu)})")
+            parts.append(
+                f"{device} {torch.cuda.get_device_name(device)} "
+                f"({_gib(free)} free of {_gib(total_gpu)})"
+            )
         elif device.type == "mps":
             parts.append("mps (Apple GPU)")
     return Check(verdict, "devices", "; ".join(parts))
@@ -152,10 +190,14 @@ def check_matmul(device: torch.device) -> Check:
 
 def check_backends() -> Check:
     import torch.distributed as dist
+
     if not dist.is_available():
         return Check("FAIL", "backends", "this torch build has no torch.distributed")
-    found = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-             "mpi": dist.is_mpi_available()}
+    found = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
     detail = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in found.items())
     if not found["gloo"]:
         return Check("FAIL", "backends", f"{detail}: gloo is needed for CPU runs")
@@ -180,9 +222,15 @@ def check_all_reduce(backend: str = "gloo", world: int = 2) -> Check:
     name = f"{backend} all-reduce ({world} processes on 127.0.0.1)"
     port = str(_free_port())
     started = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), str(world), port, backend],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(rank), str(world), port, backend],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     outputs = []
     deadline = started + ALL_REDUCE_TIMEOUT_S
     for proc in procs:
@@ -193,39 +241,57 @@ def check_all_reduce(backend: str = "gloo", world: int = 2) -> Check:
             for p in procs:
                 p.kill()
                 p.wait()
-            return Check("FAIL", name, f"no result within {ALL_REDUCE_TIMEOUT_S:.0f} s: the processes "
-                         f"could not connect (firewall on the loopback? GLOO_SOCKET_IFNAME?)")
+            return Check(
+                "FAIL",
+                name,
+                f"no result within {ALL_REDUCE_TIMEOUT_S:.0f} s: the processes "
+                f"could not connect (firewall on the loopback? GLOO_SOCKET_IFNAME?)",
+            )
     elapsed = time.perf_counter() - started
     expected = world * (world + 1) / 2
     for rank, (code, out, err) in enumerate(outputs):
         if code != 0:
-            reason = [line for line in err.strip().splitlines() if line.strip()][-1:] or [f"exit {code}"]
+            reason = [line for line in err.strip().splitlines() if line.strip()][-1:] or [
+                f"exit {code}"
+            ]
             hint = ""
             if backend == "gloo" and os.environ.get("GLOO_SOCKET_IFNAME"):
                 hint = f" (GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} is set)"
             return Check("FAIL", name, f"rank {rank} failed: {reason[0].strip()[:300]}{hint}")
         got = [line.split()[1] for line in out.splitlines() if line.startswith("result ")]
         if not got or float(got[0]) != expected:
-            return Check("FAIL", name, f"rank {rank} got {got[0] if got else 'nothing'}, "
-                         f"expected {expected}")
-    return Check("ok", name, f"sum {expected} on every rank in {elapsed:.1f} s "
-                 f"(including process start-up)")
+            return Check(
+                "FAIL", name, f"rank {rank} got {got[0] if got else 'nothing'}, expected {expected}"
+            )
+    return Check(
+        "ok", name, f"sum {expected} on every rank in {elapsed:.1f} s (including process start-up)"
+    )
 
 
 def check_launcher() -> Check:
     """What dtrain would make of the launcher variables in effect, and the variables themselves."""
     from dtrain import env as env_mod
     from dtrain.errors import UserError
-    shown = [f"{k}={os.environ[k]}" for k in LAUNCH_VARIABLES + SLURM_VARIABLES + NETWORK_VARIABLES
-             if k in os.environ]
-    variables = " | " + " ".join(shown) if shown else " | no torchrun, SLURM or network variables set"
+
+    shown = [
+        f"{k}={os.environ[k]}"
+        for k in LAUNCH_VARIABLES + SLURM_VARIABLES + NETWORK_VARIABLES
+        if k in os.environ
+    ]
+    variables = (
+        " | " + " ".join(shown) if shown else " | no torchrun, SLURM or network variables set"
+    )
     try:
         detected = env_mod.detect()
     except UserError as e:
         return Check("FAIL", "launcher", f"{e}{variables}")
     if detected.rank >= detected.world_size or detected.local_rank >= detected.local_world_size:
-        return Check("FAIL", "launcher", f"rank {detected.rank} / local rank {detected.local_rank} "
-                     f"outside world size {detected.world_size}{variables}")
+        return Check(
+            "FAIL",
+            "launcher",
+            f"rank {detected.rank} / local rank {detected.local_rank} "
+            f"outside world size {detected.world_size}{variables}",
+        )
     return Check("ok", "launcher", f"{detected.describe()}{variables}")
 
 
@@ -249,9 +315,13 @@ def main() -> int:
     failed = [c for c in results if c.verdict == "FAIL"]
     warned = [c for c in results if c.verdict == "warn"]
     if failed:
-        print(f"doctor: {len(failed)} of {len(results)} checks failed: "
-              f"{', '.join(c.name for c in failed)}")
+        print(
+            f"doctor: {len(failed)} of {len(results)} checks failed: "
+            f"{', '.join(c.name for c in failed)}"
+        )
         return 1
-    print(f"doctor: all {len(results)} checks passed" +
-          (f" ({len(warned)} with warnings)" if warned else ""))
+    print(
+        f"doctor: all {len(results)} checks passed"
+        + (f" ({len(warned)} with warnings)" if warned else "")
+    )
     return 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from dtrain.errors import UserError
 
@@ -26,7 +26,7 @@ class Env:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    slurm_job_id: Optional[str] = None
+    slurm_job_id: str | None = None
     restart_count: int = 0
 
     @property
@@ -34,8 +34,10 @@ class Env:
         return self.launcher != "single"
 
     def describe(self) -> str:
-        return (f"{self.launcher}: {self.num_nodes} node(s) x {self.local_world_size} rank(s) "
-                f"= world size {self.world_size}")
+        return (
+            f"{self.launcher}: {self.num_nodes} node(s) x {self.local_world_size} rank(s) "
+            f"= world size {self.world_size}"
+        )
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -73,37 +75,50 @@ def _from_torchrun(environ: Mapping[str, str]) -> Env:
         master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else 29500,
         slurm_job_id=environ.get("SLURM_JOB_ID"),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT")
-        if "TORCHELASTIC_RESTART_COUNT" in environ else 0,
+        if "TORCHELASTIC_RESTART_COUNT" in environ
+        else 0,
     )
 
 
 def _check_started_by_srun(environ: Mapping[str, str]) -> None:
     """A job that asked for several tasks but started this process directly (from the batch
     script or an salloc shell, not through srun) would train on one of them and idle the rest."""
-    tasks = _int(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else (
-        _int(environ, "SLURM_JOB_NUM_NODES") if "SLURM_JOB_NUM_NODES" in environ else 1)
+    tasks = (
+        _int(environ, "SLURM_NTASKS")
+        if "SLURM_NTASKS" in environ
+        else (_int(environ, "SLURM_JOB_NUM_NODES") if "SLURM_JOB_NUM_NODES" in environ else 1)
+    )
     if tasks > 1:
-        raise UserError(f"slurm error: job {environ['SLURM_JOB_ID']} has {tasks} tasks but this "
-                        f"process was not started by srun, so it would be one task alone; start "
-                        f"it with 'srun python launch/train.py ...' (slurm/train.sbatch does)")
+        raise UserError(
+            f"slurm error: job {environ['SLURM_JOB_ID']} has {tasks} tasks but this "
+            f"process was not started by srun, so it would be one task alone; start "
+            f"it with 'srun python launch/train.py ...' (slurm/train.sbatch does)"
+        )
 
 
 def _from_slurm(environ: Mapping[str, str]) -> Env:
     # The step's own variables first: a step may use fewer tasks or nodes than the job holds.
     world = _first_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-    num_nodes = _first_int(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES",
-                           default=1)
+    num_nodes = _first_int(
+        environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1
+    )
     node_rank = _first_int(environ, "SLURM_NODEID", default=0)
     per_node_text = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     per_node = expand_tasks_per_node(per_node_text) if per_node_text else []
     if len(set(per_node)) > 1 or world % num_nodes != 0:
         layout = per_node_text or f"{world} tasks on {num_nodes} nodes"
-        raise UserError(f"slurm error: tasks are spread unevenly across nodes ({layout}); every "
-                        f"node needs the same number of ranks: ask for --ntasks-per-node=N "
-                        f"instead of --ntasks")
+        raise UserError(
+            f"slurm error: tasks are spread unevenly across nodes ({layout}); every "
+            f"node needs the same number of ranks: ask for --ntasks-per-node=N "
+            f"instead of --ntasks"
+        )
     job_id = environ["SLURM_JOB_ID"]
-    nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                or environ.get("SLURM_NODELIST") or "127.0.0.1")
+    nodelist = (
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST")
+        or "127.0.0.1"
+    )
     return Env(
         launcher="slurm",
         rank=_int(environ, "SLURM_PROCID"),
@@ -113,14 +128,15 @@ def _from_slurm(environ: Mapping[str, str]) -> Env:
         node_rank=node_rank,
         num_nodes=num_nodes,
         master_addr=environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
-        master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
+        master_port=_int(environ, "MASTER_PORT")
+        if "MASTER_PORT" in environ
         else port_for_job(job_id),
         slurm_job_id=job_id,
         restart_count=_first_int(environ, "SLURM_RESTART_COUNT", default=0),
     )
 
 
-def _first_int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> int:
+def _first_int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
     for name in names:
         if name in environ:
             return _int(environ, name)
@@ -149,12 +165,16 @@ def device_index(env: Env, visible_gpus: int) -> int:
     if env.launcher == "slurm" and visible_gpus == 1:
         return 0
     if env.launcher == "slurm":
-        raise UserError(f"device error: {env.local_world_size} tasks on this node but "
-                        f"{visible_gpus} visible GPU(s); ask for one task per GPU "
-                        f"(--ntasks-per-node={visible_gpus}) or as many GPUs as tasks "
-                        f"(--gpus-per-node={env.local_world_size})")
-    raise UserError(f"device error: {env.local_world_size} ranks per node requested, found "
-                    f"{visible_gpus} visible GPU(s); use --nproc_per_node={visible_gpus} or fewer")
+        raise UserError(
+            f"device error: {env.local_world_size} tasks on this node but "
+            f"{visible_gpus} visible GPU(s); ask for one task per GPU "
+            f"(--ntasks-per-node={visible_gpus}) or as many GPUs as tasks "
+            f"(--gpus-per-node={env.local_world_size})"
+        )
+    raise UserError(
+        f"device error: {env.local_world_size} ranks per node requested, found "
+        f"{visible_gpus} visible GPU(s); use --nproc_per_node={visible_gpus} or fewer"
+    )
 
 
 def port_for_job(job_id: str) -> int:
@@ -162,8 +182,11 @@ def port_for_job(job_id: str) -> int:
     meet: any two jobs whose ids are less than 20000 apart get different ports (the last four
     digits alone gave jobs 10000 apart the same one). An id that is not a number is hashed."""
     text = job_id.strip()
-    number = int(text) if text.isdigit() else \
-        int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    number = (
+        int(text)
+        if text.isdigit()
+        else int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    )
     return 15000 + number % 20000
 
 
@@ -181,10 +204,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
                 lo, hi = part.split("-", 1)
                 width = len(lo)
                 for n in range(int(lo), int(hi) + 1):
-                    hosts.extend(prefix + str(n).zfill(width) + tail
-                                 for tail in (expand_nodelist(rest) if rest else [""]))
+                    hosts.extend(
+                        prefix + str(n).zfill(width) + tail
+                        for tail in (expand_nodelist(rest) if rest else [""])
+                    )
             else:
-                hosts.extend(prefix + part + tail for tail in (expand_nodelist(rest) if rest else [""]))
+                hosts.extend(
+                    prefix + part + tail for tail in (expand_nodelist(rest) if rest else [""])
+                )
     return hosts
 
 

@@ -54,7 +54,7 @@ def example_input(meta: dict, size: int = 4) -> Any:
 def _difference(a: Any, b: Any) -> float:
     """The largest difference between the tensors of two outputs (tensors, tuples, dicts, ...)."""
     left, right = tasks.leaves(a), tasks.leaves(b)
-    tensors = [(x, y) for x, y in zip(left, right) if isinstance(x, torch.Tensor)]
+    tensors = [(x, y) for x, y in zip(left, right, strict=False) if isinstance(x, torch.Tensor)]
     if len(left) != len(right) or not tensors:
         return float("inf")
     return max((x.float() - y.float()).abs().max().item() for x, y in tensors)
@@ -66,9 +66,11 @@ def export(path: str, out: str, fmt: str = "state_dict") -> float:
     model, meta = load_model(path)
     inputs = example_input(meta)
     if inputs is None and fmt != "state_dict":
-        raise UserError(f"export error: --format {fmt} traces the model on an input, and this "
-                        f"task has no example_input(info, batch_size); add one, or export a "
-                        f"state_dict")
+        raise UserError(
+            f"export error: --format {fmt} traces the model on an input, and this "
+            f"task has no example_input(info, batch_size); add one, or export a "
+            f"state_dict"
+        )
     out_dir = os.path.dirname(os.path.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
@@ -78,8 +80,9 @@ def export(path: str, out: str, fmt: str = "state_dict") -> float:
             torch.save(model.state_dict(), out)
             reloaded = _reload_state_dict(meta, out)
             if inputs is None:
-                difference = _difference(list(model.state_dict().values()),
-                                         list(reloaded.state_dict().values()))
+                difference = _difference(
+                    list(model.state_dict().values()), list(reloaded.state_dict().values())
+                )
                 return _report(path, out, fmt, difference, "weights")
         elif fmt == "torchscript":
             torch.jit.save(torch.jit.trace(model, inputs), out)
@@ -95,10 +98,14 @@ def export(path: str, out: str, fmt: str = "state_dict") -> float:
 
 def _report(path: str, out: str, fmt: str, difference: float, what: str) -> float:
     if difference > TOLERANCE:
-        raise UserError(f"export error: the exported model's {what} differ from the checkpoint's "
-                        f"by {difference:.3g} (> {TOLERANCE}); {out} is not trustworthy")
-    print(f"exported {path} -> {out} ({fmt}); {what} match the checkpoint"
-          f"{' on a batch' if what == 'outputs' else ''} (max difference {difference:.2g})")
+        raise UserError(
+            f"export error: the exported model's {what} differ from the checkpoint's "
+            f"by {difference:.3g} (> {TOLERANCE}); {out} is not trustworthy"
+        )
+    print(
+        f"exported {path} -> {out} ({fmt}); {what} match the checkpoint"
+        f"{' on a batch' if what == 'outputs' else ''} (max difference {difference:.2g})"
+    )
     return difference
 
 

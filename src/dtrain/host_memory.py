@@ -18,21 +18,25 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept from then on
 TRIM_THRESHOLD = 32 * 1024 * 1024
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                 "MALLOC_MMAP_MAX_")
+USER_SETTINGS = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+)
 
 
-def return_freed_memory() -> Optional[str]:
+def return_freed_memory() -> str | None:
     """Fix glibc's thresholds so that freed blocks go back to the system, and give back what is
     free now. Returns what was done, for the banner; None where nothing was (not glibc, or the
     user's own malloc settings)."""
-    if any(os.environ.get(name) for name in USER_SETTINGS) or \
-            "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if any(os.environ.get(name) for name in USER_SETTINGS) or "glibc.malloc." in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
         return None
     try:
         libc = ctypes.CDLL(None)
@@ -41,8 +45,12 @@ def return_freed_memory() -> Optional[str]:
     except (OSError, AttributeError):
         return None
     mallopt.argtypes, malloc_trim.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_size_t]
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    if not (
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    ):
         return None
     malloc_trim(0)
-    return (f"host memory: allocations above {MMAP_THRESHOLD // 1024} KiB mapped on their own and "
-            f"returned when freed (FSDP frees its gathers every step)")
+    return (
+        f"host memory: allocations above {MMAP_THRESHOLD // 1024} KiB mapped on their own and "
+        f"returned when freed (FSDP frees its gathers every step)"
+    )

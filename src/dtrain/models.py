@@ -7,15 +7,16 @@ every rank starts from the same weights.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import ModelConfig
-from dtrain.imports import is_import_path, load_callable
 from dtrain.errors import UserError
+from dtrain.imports import is_import_path, load_callable
 
 
 class ConvBlock(nn.Sequential):
@@ -23,8 +24,11 @@ class ConvBlock(nn.Sequential):
     model's result independent of how a batch is split into micro-batches or ranks."""
 
     def __init__(self, cin: int, cout: int, pool: bool) -> None:
-        layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=False),
-                                   nn.GroupNorm(min(8, cout), cout), nn.ReLU(inplace=True)]
+        layers: list[nn.Module] = [
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.GroupNorm(min(8, cout), cout),
+            nn.ReLU(inplace=True),
+        ]
         if pool:
             layers.append(nn.MaxPool2d(2))
         super().__init__(*layers)
@@ -35,9 +39,14 @@ class SimpleCNN(nn.Module):
         super().__init__()
         w = width
         self.features = nn.Sequential(
-            ConvBlock(in_channels, w, pool=True), ConvBlock(w, 2 * w, pool=True),
-            ConvBlock(2 * w, 4 * w, pool=True), ConvBlock(4 * w, 4 * w, pool=False))
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
+            ConvBlock(in_channels, w, pool=True),
+            ConvBlock(w, 2 * w, pool=True),
+            ConvBlock(2 * w, 4 * w, pool=True),
+            ConvBlock(4 * w, 4 * w, pool=False),
+        )
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -54,8 +63,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                          nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -65,19 +75,27 @@ class BasicBlock(nn.Module):
 class ResNetSmall(nn.Module):
     """A small residual CNN for 32x32 inputs: three stages of basic blocks."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 16,
-                 blocks_per_stage: int = 1) -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, width: int = 16, blocks_per_stage: int = 1
+    ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
         stages, cin = [], width
         for i, cout in enumerate((width, 2 * width, 4 * width)):
-            blocks = [BasicBlock(cin if j == 0 else cout, cout, stride=1 if i == 0 or j else 2)
-                      for j in range(blocks_per_stage)]
+            blocks = [
+                BasicBlock(cin if j == 0 else cout, cout, stride=1 if i == 0 or j else 2)
+                for j in range(blocks_per_stage)
+            ]
             stages.append(nn.Sequential(*blocks))
             cin = cout
         self.layers = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layers(self.stem(x)))
@@ -91,8 +109,12 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
-                                 nn.Linear(mlp_ratio * dim, dim), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim),
+            nn.GELU(),
+            nn.Linear(mlp_ratio * dim, dim),
+            nn.Dropout(dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
@@ -103,17 +125,29 @@ class TransformerBlock(nn.Module):
 class TransformerClassifier(nn.Module):
     """A small vision transformer: patch embedding, a stack of identical blocks, a linear head."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, image_size: int = 32,
-                 patch_size: int = 4, dim: int = 128, depth: int = 4, heads: int = 4,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int = 3,
+        image_size: int = 32,
+        patch_size: int = 4,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if image_size % patch_size:
-            raise UserError(f"config error: model.args.patch_size: {patch_size} does not divide "
-                            f"the image size {image_size}")
+            raise UserError(
+                f"config error: model.args.patch_size: {patch_size} does not divide "
+                f"the image size {image_size}"
+            )
         self.patch_embed = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
         # (tokens, dim), not (1, tokens, dim): FSDP shards dim 0, which must not be of size 1.
         self.pos_embed = nn.Parameter(torch.randn((image_size // patch_size) ** 2, dim) * 0.02)
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout=dropout) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(dim, heads, dropout=dropout) for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
@@ -130,7 +164,9 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False) -> None:
         super().__init__()
         if dim % heads:
-            raise UserError(f"config error: model.args: dim {dim} is not divisible by heads {heads}")
+            raise UserError(
+                f"config error: model.args: dim {dim} is not divisible by heads {heads}"
+            )
         self.heads, self.dropout, self.causal = heads, dropout, causal
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -138,9 +174,13 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).unbind(2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=self.causal)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal,
+        )
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
 
@@ -164,8 +204,15 @@ class GPT(nn.Module):
     """A decoder-only transformer language model: token and position embeddings, a stack of
     GPTBlocks, a final norm and an output head tied to the token embedding."""
 
-    def __init__(self, vocab_size: int = 256, seq_len: int = 256, dim: int = 256, depth: int = 4,
-                 heads: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 256,
+        dim: int = 256,
+        depth: int = 4,
+        heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, dim)
@@ -184,7 +231,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.seq_len:
-            raise ValueError(f"sequence of {length} tokens, longer than the model's seq_len {self.seq_len}")
+            raise ValueError(
+                f"sequence of {length} tokens, longer than the model's seq_len {self.seq_len}"
+            )
         positions = torch.arange(length, device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
@@ -215,38 +264,49 @@ def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
         if cfg.name == "gpt":
             for key in ("vocab_size", "seq_len"):
                 if key not in args and key not in info:
-                    raise UserError(f"config error: model.args.{key}: the data does not say it "
-                                    f"(data.name: text does); set model.args.{key}")
+                    raise UserError(
+                        f"config error: model.args.{key}: the data does not say it "
+                        f"(data.name: text does); set model.args.{key}"
+                    )
                 args.setdefault(key, info.get(key))
             return GPT(**args)
         if cfg.name in CLASSIFIERS or cfg.name.startswith("tv:"):
             num_classes = cfg.num_classes or info.get("num_classes")
             if not num_classes:
-                raise UserError("config error: model.num_classes: the dataset does not say how "
-                                "many classes it has; set model.num_classes")
+                raise UserError(
+                    "config error: model.num_classes: the dataset does not say how "
+                    "many classes it has; set model.num_classes"
+                )
             if cfg.name.startswith("tv:"):
                 return _torchvision(cfg.name[3:], num_classes, args)
             if cfg.name == "transformer":
                 args.setdefault("image_size", info.get("image_size", 32))
-            return CLASSIFIERS[cfg.name](num_classes=num_classes,
-                                         in_channels=info.get("in_channels", 3), **args)
+            return CLASSIFIERS[cfg.name](
+                num_classes=num_classes, in_channels=info.get("in_channels", 3), **args
+            )
         if is_import_path(cfg.name):
             model = load_callable(cfg.name, "model.name")(cfg)
             if not isinstance(model, nn.Module):
-                raise UserError(f"config error: model.name: {cfg.name} returned "
-                                f"{type(model).__name__}, not an nn.Module")
+                raise UserError(
+                    f"config error: model.name: {cfg.name} returned "
+                    f"{type(model).__name__}, not an nn.Module"
+                )
             return model
     except TypeError as e:
         raise UserError(f"config error: model.args: {e}") from None
-    raise UserError(f"config error: model.name: unknown model '{cfg.name}'; use one of "
-                    f"{', '.join(BUILTINS)}, tv:NAME or module:function")
+    raise UserError(
+        f"config error: model.name: unknown model '{cfg.name}'; use one of "
+        f"{', '.join(BUILTINS)}, tv:NAME or module:function"
+    )
 
 
 def _torchvision(name: str, num_classes: int, args: dict) -> nn.Module:
     import torchvision
+
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         import difflib
+
         close = difflib.get_close_matches(name, available, n=1)
         hint = f" (did you mean 'tv:{close[0]}'?)" if close else ""
         raise UserError(f"config error: model.name: torchvision has no model '{name}'{hint}")

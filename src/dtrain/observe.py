@@ -15,7 +15,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -60,7 +60,7 @@ class _Console(logging.StreamHandler):
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
-        self.bar: Optional["Progress"] = None
+        self.bar: Progress | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         bar = self.bar
@@ -72,11 +72,21 @@ class _Console(logging.StreamHandler):
 
 
 # Dense bf16/fp16 peak FLOP/s of one GPU, by a name torch reports for it (for MFU).
-PEAK_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
-              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12, "V100": 125e12}
+PEAK_FLOPS = {
+    "B200": 2250e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+}
 
 
-def peak_flops(device: torch.device, precision: str) -> Optional[float]:
+def peak_flops(device: torch.device, precision: str) -> float | None:
     """One device's peak for the run's precision where it is known (a GPU of the table in bf16
     or fp16); None on CPUs and for fp32."""
     if device.type != "cuda" or precision == "fp32":
@@ -90,9 +100,10 @@ class Throughput:
     """What a record adds for token-based tasks: tokens/s, the model's FLOP/s (6 x parameters x
     tokens/s: forward and backward of the weights' matrix products) and, where the devices' peak
     is known, the fraction of it (MFU). Rates are of all ranks together."""
-    tokens_per_sample: Optional[int] = None
+
+    tokens_per_sample: int | None = None
     num_params: int = 0
-    peak_flops: Optional[float] = None  # all ranks' devices together
+    peak_flops: float | None = None  # all ranks' devices together
 
     def figures(self, samples_per_s: float) -> dict[str, float]:
         if not self.tokens_per_sample:
@@ -166,7 +177,7 @@ class Progress:
         self.text = ""  # the bar as it is on screen; "" when none is
         self.epoch, self.epoch_steps = 0, 0
         self.epoch_started, self.first_done = 0.0, None
-        self.latest: Optional[tuple[int, dict[str, Any]]] = None  # the last update, drawn or not
+        self.latest: tuple[int, dict[str, Any]] | None = None  # the last update, drawn or not
         self.figures: dict[str, Any] = {}  # the last record's figures, kept across epochs
         self.shown_done = 0
         self.linked = False  # whether the console handler redraws the bar after each log line
@@ -181,12 +192,15 @@ class Progress:
 
     def update(self, done: int, record: dict[str, Any], at_log_step: bool) -> None:
         now = time.monotonic()
-        if self.first_done is None:  # a resumed epoch starts part-way: time only this attempt's steps
+        if (
+            self.first_done is None
+        ):  # a resumed epoch starts part-way: time only this attempt's steps
             self.first_done = done - 1
         self.latest = (done, record)
         self.figures = record
-        render = self.bar and (at_log_step or done >= self.epoch_steps
-                               or now - self.last_draw >= self.REDRAW_S)
+        render = self.bar and (
+            at_log_step or done >= self.epoch_steps or now - self.last_draw >= self.REDRAW_S
+        )
         if render:
             self._render(done, record, now)
         if at_log_step or (not self.bar and now - self.last_line >= self.every_s):
@@ -219,14 +233,18 @@ class Progress:
         rate = (done - self.first_done) / max(1e-9, elapsed)
         left = (total - done) / rate if rate > 0 else 0.0
         head = f"epoch {self.epoch} {100 * done // total:3d}%|"
-        figures = (f" loss {record['loss']:.4f} lr {record['lr']:.3g} "
-                   f"{record['samples_per_s']:.0f} samples/s" if record else "")
+        figures = (
+            f" loss {record['loss']:.4f} lr {record['lr']:.3g} "
+            f"{record['samples_per_s']:.0f} samples/s"
+            if record
+            else ""
+        )
         tail = f"| {done}/{total} [{_clock(elapsed)}<{_clock(left)}]{figures}"
         # The line must never wrap, or \r no longer returns to its start: the bar gives way first.
         columns = _columns(self.stream) - 1
         width = max(5, min(self.BAR_WIDTH, columns - len(head) - len(tail)))
         filled = int(width * min(done, total) / total)
-        self.text = (head + "#" * filled + "." * (width - filled) + tail)[:max(20, columns)]
+        self.text = (head + "#" * filled + "." * (width - filled) + tail)[: max(20, columns)]
 
     def erase(self) -> None:
         if self.text:
@@ -273,10 +291,16 @@ def format_record(record: dict[str, Any]) -> str:
 class RunLog:
     """The run's records. Every method is a no-op except on rank 0 (logging aside)."""
 
-    def __init__(self, cfg: Config, run_dir: str, is_main: bool, resumed_step: int,
-                 superseded: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str,
+        is_main: bool,
+        resumed_step: int,
+        superseded: str | None = None,
+    ) -> None:
         self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
-        self.metrics: Optional[TextIO] = None
+        self.metrics: TextIO | None = None
         self._writer = None
         self.resumed_step = resumed_step
         self.progress = Progress(sys.stderr, cfg.log.progress, cfg.log.every_s)
@@ -292,10 +316,12 @@ class RunLog:
         step (importing TensorBoard takes a while)."""
         if self._writer is None and self.is_main and self.cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             # purge_step: TensorBoard discards the events an earlier attempt wrote from this step
             # on (after the resumed checkpoint; all of them on a fresh start in a used directory).
-            self._writer = SummaryWriter(os.path.join(self.run_dir, "tb"),
-                                         purge_step=self.resumed_step + 1)
+            self._writer = SummaryWriter(
+                os.path.join(self.run_dir, "tb"), purge_step=self.resumed_step + 1
+            )
         return self._writer
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -303,15 +329,29 @@ class RunLog:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 
-    def train(self, record: dict[str, Any], extra_scalars: dict[str, float], done_in_epoch: int,
-              at_log_step: bool) -> None:
+    def train(
+        self,
+        record: dict[str, Any],
+        extra_scalars: dict[str, float],
+        done_in_epoch: int,
+        at_log_step: bool,
+    ) -> None:
         if not self.is_main:
             return
         if at_log_step:
             self._write(record)
             if self.writer is not None:
-                for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_pct",
-                            "tokens_per_s", "flops_per_s", "mfu"):
+                for key in (
+                    "loss",
+                    "lr",
+                    "grad_norm",
+                    "samples_per_s",
+                    "step_time_s",
+                    "data_wait_pct",
+                    "tokens_per_s",
+                    "flops_per_s",
+                    "mfu",
+                ):
                     if record.get(key) is not None:
                         self.writer.add_scalar(f"train/{key}", record[key], record["step"])
                 for key, value in extra_scalars.items():
@@ -331,14 +371,17 @@ class RunLog:
                     self.writer.add_scalar(f"val/{key[4:]}", value, record["step"])
             self.writer.flush()
 
-    def hparams(self, step: int, final_metrics: dict[str, Optional[float]]) -> None:
+    def hparams(self, step: int, final_metrics: dict[str, float | None]) -> None:
         """The flattened resolved config and the final/best metrics, for the HParams tab. The
         run's own writer writes them (SummaryWriter.add_hparams would open a second event file)."""
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
-        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                for k, v in flatten(to_dict(self.cfg)).items()}
+
+        flat = {
+            k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+            for k, v in flatten(to_dict(self.cfg)).items()
+        }
         metrics = {f"hparam/{k}": v for k, v in final_metrics.items() if v is not None}
         for summary in hparams(flat, metrics):
             self.writer.file_writer.add_summary(summary, step)
@@ -355,7 +398,7 @@ class RunLog:
             self._writer = None
 
 
-def _drop_records_after(path: str, step: int, superseded: Optional[str] = None) -> None:
+def _drop_records_after(path: str, step: int, superseded: str | None = None) -> None:
     """Keep only records up to `step` (all of them for a fresh start with step 0 and no file).
     The dropped records go to `superseded/<time>/metrics.jsonl` when a rewind moved checkpoints
     there, so that nothing of the abandoned history is lost."""

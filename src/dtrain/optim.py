@@ -14,8 +14,13 @@ from dtrain.config import OptimConfig, SchedConfig
 from dtrain.errors import UserError
 from dtrain.imports import is_import_path, load_callable
 
-NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-         *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+NORMS = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 
 
 def no_decay_names(model: nn.Module, rule: Any) -> set[str]:
@@ -38,14 +43,17 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
     """One group with weight decay and one without (either left out when empty). A parameter
     shared by two modules (tied weights) is in one group once: named_parameters() names it once."""
     from dtrain.parallel import unwrap
+
     plain = unwrap(model)
     exempt = no_decay_names(plain, cfg.no_decay)
     decay, no_decay = [], []
     for name, param in plain.named_parameters():
         if param.requires_grad:
             (no_decay if name in exempt else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -64,8 +72,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if is_import_path(cfg.name):
         optimizer = load_callable(cfg.name, "optim.name")(groups, cfg)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserError(f"config error: optim.name: {cfg.name} returned "
-                            f"{type(optimizer).__name__}, not a torch.optim.Optimizer")
+            raise UserError(
+                f"config error: optim.name: {cfg.name} returned "
+                f"{type(optimizer).__name__}, not a torch.optim.Optimizer"
+            )
         return optimizer
     # Fused kernels where torch has them for these parameters: one kernel per step, and a step
     # that a device flag (found_inf) can skip, so that a non-finite step is decided on the
@@ -73,8 +83,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
     if cfg.name == "sgd":
         sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               fused=fused and not sharded or None)
+        return torch.optim.SGD(
+            groups,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            fused=fused and not sharded or None,
+        )
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
@@ -86,8 +101,14 @@ class LRSchedule:
     `warmup_steps`, then cosine to `min_lr` over the rest of `total_steps`, a step decay, a
     plateau decay driven by evaluations, or constant. Its state is plain numbers."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedConfig, base_lr: float,
-                 total_steps: int, monitor_mode: str = "max") -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cfg: SchedConfig,
+        base_lr: float,
+        total_steps: int,
+        monitor_mode: str = "max",
+    ) -> None:
         self.optimizer, self.cfg, self.base_lr = optimizer, cfg, base_lr
         self.total_steps = max(1, total_steps)
         self.monitor_mode = monitor_mode
@@ -101,7 +122,9 @@ class LRSchedule:
         if cfg.name == "cosine":
             span = max(1, self.total_steps - cfg.warmup_steps)
             progress = min(1.0, (step - cfg.warmup_steps) / span)
-            return cfg.min_lr + (self.base_lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+            return cfg.min_lr + (self.base_lr - cfg.min_lr) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
         if cfg.name == "step":
             return self.base_lr * cfg.gamma ** ((step - cfg.warmup_steps) // cfg.step_size)
         if cfg.name == "plateau":
@@ -116,11 +139,12 @@ class LRSchedule:
         return lr
 
     def on_eval(self, value: float) -> None:
-        """Plateau: decay after `patience` evaluations without improvement of the monitored metric."""
+        """Plateau: decay after `patience` evaluations without the monitored metric improving."""
         if self.cfg.name != "plateau" or value is None:
             return
-        better = (self.plateau_best is None or
-                  (value > self.plateau_best if self.monitor_mode == "max" else value < self.plateau_best))
+        better = self.plateau_best is None or (
+            value > self.plateau_best if self.monitor_mode == "max" else value < self.plateau_best
+        )
         if better:
             self.plateau_best, self.plateau_bad_evals = value, 0
             return
@@ -130,8 +154,12 @@ class LRSchedule:
             self.plateau_bad_evals = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"plateau_scale": self.plateau_scale, "plateau_best": self.plateau_best,
-                "plateau_bad_evals": self.plateau_bad_evals, "total_steps": self.total_steps}
+        return {
+            "plateau_scale": self.plateau_scale,
+            "plateau_best": self.plateau_best,
+            "plateau_bad_evals": self.plateau_bad_evals,
+            "total_steps": self.total_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The schedule continues as it started: its length was fixed when the run started, so
@@ -148,14 +176,21 @@ class UserSchedule:
     optimizer, the schedule config and the run's total steps; it returns a torch LRScheduler or
     anything with step(), state_dict() and load_state_dict()), stepped once per optimizer step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedConfig, total_steps: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, cfg: SchedConfig, total_steps: int
+    ) -> None:
         self.total_steps = max(1, total_steps)
         self.scheduler = load_callable(cfg.name, "sched.name")(optimizer, cfg, self.total_steps)
-        missing = [m for m in ("step", "state_dict", "load_state_dict")
-                   if not callable(getattr(self.scheduler, m, None))]
+        missing = [
+            m
+            for m in ("step", "state_dict", "load_state_dict")
+            if not callable(getattr(self.scheduler, m, None))
+        ]
         if missing:
-            raise UserError(f"config error: sched.name: {cfg.name} returned "
-                            f"{type(self.scheduler).__name__}, which has no {', '.join(missing)}")
+            raise UserError(
+                f"config error: sched.name: {cfg.name} returned "
+                f"{type(self.scheduler).__name__}, which has no {', '.join(missing)}"
+            )
         self.stepped = 0
 
     def apply(self, step: int) -> None:
@@ -167,8 +202,11 @@ class UserSchedule:
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        return {"user": self.scheduler.state_dict(), "stepped": self.stepped,
-                "total_steps": self.total_steps}
+        return {
+            "user": self.scheduler.state_dict(),
+            "stepped": self.stepped,
+            "total_steps": self.total_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["user"])
@@ -176,8 +214,13 @@ class UserSchedule:
         self.total_steps = int(state["total_steps"])
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: SchedConfig, base_lr: float,
-                   total_steps: int, monitor_mode: str) -> Any:
+def build_schedule(
+    optimizer: torch.optim.Optimizer,
+    cfg: SchedConfig,
+    base_lr: float,
+    total_steps: int,
+    monitor_mode: str,
+) -> Any:
     if is_import_path(cfg.name):
         return UserSchedule(optimizer, cfg, total_steps)
     return LRSchedule(optimizer, cfg, base_lr, total_steps, monitor_mode)

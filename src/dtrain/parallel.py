@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -25,7 +25,9 @@ from dtrain.observe import log
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast(precision: str, is_fsdp: bool, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(
+    precision: str, is_fsdp: bool, device: torch.device
+) -> contextlib.AbstractContextManager:
     """The forward pass's precision: FSDP applies it through its mixed-precision policy, every
     other mode autocasts."""
     dtype = PRECISION_DTYPES[precision]
@@ -34,7 +36,7 @@ def autocast(precision: str, is_fsdp: bool, device: torch.device) -> contextlib.
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def find_blocks(model: nn.Module, class_names: Optional[list[str]] = None) -> list[nn.Module]:
+def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
     """The model's repeated blocks: modules of the named classes, or with `None` ('auto') each
     child with parameters of the model's sequential stages (Sequential / ModuleList) that is itself
     made of layers. Blocks are never nested in each other."""
@@ -54,15 +56,20 @@ def find_blocks(model: nn.Module, class_names: Optional[list[str]] = None) -> li
         missing = wanted - found
         if missing:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise UserError(f"config error: parallel.fsdp.wrap: no module of class "
-                            f"{', '.join(sorted(missing))} in the model; it has {', '.join(present)}")
+            raise UserError(
+                f"config error: parallel.fsdp.wrap: no module of class "
+                f"{', '.join(sorted(missing))} in the model; it has {', '.join(present)}"
+            )
         return blocks
     for module in model.modules():
         if id(module) in inside or not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         children = list(module.children())
-        composite = [c for c in children if any(True for _ in c.children())
-                     and any(True for _ in c.parameters())]
+        composite = [
+            c
+            for c in children
+            if any(True for _ in c.children()) and any(True for _ in c.parameters())
+        ]
         if len(composite) >= 2:
             for child in composite:
                 mark(child)
@@ -94,6 +101,7 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed.nn.functional as dist_nn
+
         if not self.training or not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
             return super().forward(x)
         channels = x.shape[1]
@@ -102,12 +110,15 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
         totals = dist_nn.all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
         n = totals[-1]
         mean = totals[:channels] / n
-        var = (totals[channels:2 * channels] / n - mean * mean).clamp_min(0)
+        var = (totals[channels : 2 * channels] / n - mean * mean).clamp_min(0)
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else \
-                    1.0 / float(self.num_batches_tracked)
+                momentum = (
+                    self.momentum
+                    if self.momentum is not None
+                    else 1.0 / float(self.num_batches_tracked)
+                )
                 self.running_mean.lerp_(mean.detach(), momentum)
                 self.running_var.lerp_(var.detach() * n / (n - 1).clamp_min(1), momentum)
         shape = [1, channels] + [1] * (x.dim() - 2)
@@ -122,9 +133,16 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, CrossRankBatchNorm):
-            synced = CrossRankBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                        child.track_running_stats)
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
+            child, CrossRankBatchNorm
+        ):
+            synced = CrossRankBatchNorm(
+                child.num_features,
+                child.eps,
+                child.momentum,
+                child.affine,
+                child.track_running_stats,
+            )
             synced.load_state_dict(child.state_dict())
             setattr(model, name, synced)
         else:
@@ -147,7 +165,7 @@ def average_buffers(model: nn.Module) -> None:
     flat /= torch_dist.get_world_size()
     offset = 0
     for b in buffers:
-        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
         offset += b.numel()
 
 
@@ -159,6 +177,7 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
     with large tensors holding this rank's rows, the model is sharded on the meta device, and the
     kept values fill the shards. A model whose construction cannot be replayed that way is built
     whole on every rank and then sharded, with a warning saying why."""
+
     def construct() -> nn.Module:
         model = models.build(cfg.model, info, cfg.run.seed)
         if cfg.parallel.sync_batchnorm and runtime.env.distributed and cfg.parallel.mode != "none":
@@ -174,18 +193,29 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
     try:
         model, params, buffers = sharded_init.build_local(construct, shards, index)
     except sharded_init.NotReplayable as e:
-        log.warning(f"model {cfg.model.name}: its construction cannot be replayed shard by shard "
-                    f"({e}); building it whole on every rank, then sharding it")
+        log.warning(
+            f"model {cfg.model.name}: its construction cannot be replayed shard by shard "
+            f"({e}); building it whole on every rank, then sharding it"
+        )
         model = construct()
-        return wrap(model, cfg, runtime), _count(model), [
-            f"model built whole on every rank, then sharded ({e})", *notes]
+        return (
+            wrap(model, cfg, runtime),
+            _count(model),
+            [f"model built whole on every rank, then sharded ({e})", *notes],
+        )
     count = _count(model)
     wrapped = wrap(model, cfg, runtime, on_meta=True)
     wrapped.to_empty(device=runtime.device)
     sharded_init.materialize(wrapped, params, buffers)
-    return wrapped, count, [f"model constructed shard by shard: each rank built only its "
-                            f"own 1/{shards} of every large tensor (values as the whole model's)",
-                            *notes]
+    return (
+        wrapped,
+        count,
+        [
+            f"model constructed shard by shard: each rank built only its "
+            f"own 1/{shards} of every large tensor (values as the whole model's)",
+            *notes,
+        ],
+    )
 
 
 def shard_layout(cfg: Config) -> tuple[int, int]:
@@ -194,8 +224,10 @@ def shard_layout(cfg: Config) -> tuple[int, int]:
     world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
     replicas = cfg.parallel.fsdp.hybrid_replicas
     if world % replicas:
-        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
-                        f"the world size {world}")
+        raise UserError(
+            f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
+            f"the world size {world}"
+        )
     shards = world // replicas
     return shards, rank % shards
 
@@ -229,16 +261,26 @@ def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False)
     if mode == "ddp":
         ddp = cfg.parallel.ddp
         # torch 2.13 renamed broadcast_buffers to forward_sync_buffers.
-        sync_buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
-                        inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
-        return DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-                   bucket_cap_mb=ddp.bucket_cap_mb, find_unused_parameters=ddp.find_unused_parameters,
-                   static_graph=ddp.static_graph, gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-                   **{sync_buffers: ddp.broadcast_buffers})
+        sync_buffers = (
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+            else "broadcast_buffers"
+        )
+        return DDP(
+            model,
+            device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            find_unused_parameters=ddp.find_unused_parameters,
+            static_graph=ddp.static_graph,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+            **{sync_buffers: ddp.broadcast_buffers},
+        )
     return _fully_shard(model, blocks, cfg, runtime)
 
 
-def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime: Runtime) -> nn.Module:
+def _fully_shard(
+    model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime: Runtime
+) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -247,12 +289,16 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime
     replicas = torch_dist.get_world_size() // shards
     device_type = runtime.device.type
     if replicas > 1:
-        mesh = init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device_type, (replicas, shards), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("shard",))
     if fsdp.cpu_offload and device_type != "cuda":
-        raise UserError("config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "
-                        "on the CPU the state is already in host memory")
+        raise UserError(
+            "config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "
+            "on the CPU the state is already in host memory"
+        )
     param_dtype = PRECISION_DTYPES[cfg.train.precision]
     kwargs = dict(
         mesh=mesh,
@@ -275,6 +321,7 @@ def reshard(model: nn.Module) -> None:
     check of the task) leaves units unsharded when reshard_after_forward is off, and the
     optimizer must be built on the sharded parameters."""
     from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

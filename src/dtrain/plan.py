@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,12 +63,13 @@ class _SizeOnly(Dataset):
 @dataclass
 class Memory:
     """Per-rank bytes for one parallel mode and precision."""
+
     mode: str
     precision: str
     params: int
     grads: int
     optimizer: int
-    activations: Optional[int]  # None when the forward could not be traced
+    activations: int | None  # None when the forward could not be traced
     buffers: int  # DDP gradient buckets, or FSDP's gathered parameters and unsharded gradients
 
     @property
@@ -86,7 +88,7 @@ class Plan:
     nproc: int
     nnodes: int
     device: str
-    backend: Optional[str]
+    backend: str | None
     device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
     train_size: int
     val_size: int
@@ -108,7 +110,7 @@ class Plan:
     activation_note: str = ""
     warnings: list[str] = field(default_factory=list)
 
-    def memory_for(self, mode: str, precision: Optional[str] = None) -> Memory:
+    def memory_for(self, mode: str, precision: str | None = None) -> Memory:
         precision = precision or self.cfg.train.precision
         return next(m for m in self.memory if m.mode == mode and m.precision == precision)
 
@@ -116,31 +118,54 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # Data sizes without data
 
+
 def _dataset_shapes(cfg: Config) -> data.Datasets:
     """Datasets of the right lengths whose samples are never read, with what models need (and,
     for images, the size and transform a run would choose, as a note)."""
     from dtrain.data import images
+
     dcfg = cfg.data
-    if is_import_path(dcfg.name):  # a user's datasets: constructing them is the only way to learn the sizes
+    if is_import_path(
+        dcfg.name
+    ):  # a user's datasets: constructing them is the only way to learn the sizes
         return data.build(dcfg, cfg.run.seed, cfg.model.args)
     if dcfg.name == "text":
         from dtrain.data import text
+
         seq_len = data.seq_len_of(dcfg, cfg.model.args)
         train, val = text.window_counts(dcfg, seq_len)
-        return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val),
-                             info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len})
+        return data.Datasets(
+            train=_SizeOnly(train),
+            val=_SizeOnly(val),
+            info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len},
+        )
     if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
-        (train_list, _, _), (val_list, _, _) = (images.list_split(dcfg.root, s) for s in ("train", "val"))
+        (train_list, _, _), (val_list, _, _) = (
+            images.list_split(dcfg.root, s) for s in ("train", "val")
+        )
         skip = dcfg.on_bad_sample == "skip"
-        sizes = [] if dcfg.image_size else (images.header_sizes(train_list, skip)
-                                            + images.header_sizes(val_list, skip))
+        sizes = (
+            []
+            if dcfg.image_size
+            else (images.header_sizes(train_list, skip) + images.header_sizes(val_list, skip))
+        )
         size, why = images.choose_size(dcfg, sizes)
-        train, val, channels, classes = len(train_list.files), len(val_list.files), 3, \
-            len(train_list.classes)
+        train, val, channels, classes = (
+            len(train_list.files),
+            len(val_list.files),
+            3,
+            len(train_list.classes),
+        )
     elif dcfg.name == "synthetic" or dcfg.name in KNOWN_DATASETS:
         from dtrain import synthetic
-        known = KNOWN_DATASETS.get(dcfg.name) or (dcfg.synthetic.train_size, dcfg.synthetic.val_size,
-                                                  3, synthetic.IMAGE_SIZE, len(synthetic.CLASSES))
+
+        known = KNOWN_DATASETS.get(dcfg.name) or (
+            dcfg.synthetic.train_size,
+            dcfg.synthetic.val_size,
+            3,
+            synthetic.IMAGE_SIZE,
+            len(synthetic.CLASSES),
+        )
         train, val, channels, native_size, classes = known
         size = dcfg.image_size or native_size
         why = "their own size" if size == native_size else "data.image_size"
@@ -149,13 +174,17 @@ def _dataset_shapes(cfg: Config) -> data.Datasets:
         raise AssertionError("unreachable")
     kind, kind_why = images.choose_transform(dcfg, size)
     note = f"images {size}x{size} ({why}), transform {kind} ({kind_why})"
-    return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val),
-                         info={"num_classes": classes, "in_channels": channels, "image_size": size},
-                         notes=[note])
+    return data.Datasets(
+        train=_SizeOnly(train),
+        val=_SizeOnly(val),
+        info={"num_classes": classes, "in_channels": channels, "image_size": size},
+        notes=[note],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # State: parameters, gradients, optimizer state per rank
+
 
 def _shard_rows(rows: int, shards: int, rank: int) -> int:
     """Rows of a dim-0 size `rows` that `rank` holds when FSDP2 splits it over `shards` ranks."""
@@ -220,6 +249,7 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
     count += sum(slots * pieces(p) + (1 if adam else 0) for p in trainable)
     # the optimizer's hyperparameters are stored as items too, one per key of its param group
     from dtrain.optim import build_optimizer
+
     count += len(build_optimizer(model, cfg.optim).param_groups[0])
     return data_bytes + count * DCP_BYTES_PER_ITEM + meta
 
@@ -227,10 +257,12 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
 # ---------------------------------------------------------------------------------------------
 # Activations: what autograd saves for the backward, traced on fake tensors
 
+
 @dataclass
 class _Saved:
     """Bytes saved for backward by one forward: outside any block, per block, and the blocks'
     inputs (what activation checkpointing keeps instead of the block's own)."""
+
     outside: int
     per_block: list[int]
     block_inputs: int
@@ -242,8 +274,12 @@ class _Saved:
         return self.outside + sum(self.per_block)
 
 
-def _trace_saved(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor,
-                 autocast_dtype: Optional[torch.dtype]) -> _Saved:
+def _trace_saved(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    x: torch.Tensor,
+    autocast_dtype: torch.dtype | None,
+) -> _Saved:
     """One forward of `x` (fake tensors, under an active FakeTensorMode), adding up the tensors
     autograd saves and which block saved them. Parameters and views of them are not counted."""
     param_ids = {id(p) for p in model.parameters()}
@@ -259,16 +295,23 @@ def _trace_saved(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor,
     def enter(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             current[0] = index
-            inputs[0] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            inputs[0] += sum(
+                a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
+            )
+
         return hook
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         current[0] = -1
 
-    handles = [h for i, b in enumerate(blocks)
-               for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))]
-    autocast = torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                              enabled=autocast_dtype is not None)
+    handles = [
+        h
+        for i, b in enumerate(blocks)
+        for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))
+    ]
+    autocast = torch.autocast(
+        "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
+    )
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             model(x)
@@ -285,8 +328,9 @@ def _trace_saved(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor,
     return _Saved(outside, per_block, inputs[0])
 
 
-def activation_bytes(meta_model: nn.Module, cfg: Config, example: Callable[[int], Any],
-                     low: torch.dtype) -> dict[str, int]:
+def activation_bytes(
+    meta_model: nn.Module, cfg: Config, example: Callable[[int], Any], low: torch.dtype
+) -> dict[str, int]:
     """Saved-for-backward bytes of one micro-batch of `data.batch_size`, for 'fp32', 'autocast'
     (DDP's mixed precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs
     in `low`). Two traced forwards (2 and 4 samples) separate what grows with the batch from what
@@ -303,8 +347,12 @@ def activation_bytes(meta_model: nn.Module, cfg: Config, example: Callable[[int]
             model.to_empty(device="cpu").train()
             for kind in kinds:
                 autocast = low if kind == "autocast" else None
-                two, four = (_trace_saved(model, blocks, _cast(example(n), weights),
-                                          autocast).retained(checkpointing) for n in (2, 4))
+                two, four = (
+                    _trace_saved(model, blocks, _cast(example(n), weights), autocast).retained(
+                        checkpointing
+                    )
+                    for n in (2, 4)
+                )
                 per_sample = (four - two) / 2
                 results[kind] = int(two - 2 * per_sample + per_sample * cfg.data.batch_size)
     return results
@@ -313,14 +361,17 @@ def activation_bytes(meta_model: nn.Module, cfg: Config, example: Callable[[int]
 # ---------------------------------------------------------------------------------------------
 # Putting it together
 
+
 def _device(nproc: int, world: int) -> tuple[str, int, list[str]]:
     """The device a rank gets (as dist.pick_device), the memory it may use, and warnings."""
     warnings = []
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         if nproc > count:
-            warnings.append(f"{nproc} ranks per node but {count} GPU(s) visible: the run will stop "
-                            f"with a device error; use --nproc_per_node={count} or fewer")
+            warnings.append(
+                f"{nproc} ranks per node but {count} GPU(s) visible: the run will stop "
+                f"with a device error; use --nproc_per_node={count} or fewer"
+            )
         props = torch.cuda.get_device_properties(0)
         return f"cuda ({props.name})", props.total_memory, warnings
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -344,8 +395,10 @@ def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
 def _fsdp_shards(cfg: Config, world: int) -> int:
     replicas = cfg.parallel.fsdp.hybrid_replicas
     if world % replicas:
-        raise UserError(f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
-                        f"the world size {world}")
+        raise UserError(
+            f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
+            f"the world size {world}"
+        )
     return world // replicas
 
 
@@ -355,38 +408,59 @@ def _param_bytes(modules: list[nn.Module]) -> int:
 
 def _steps(cfg: Config, shapes: data.Datasets, world: int) -> tuple[int, int]:
     """Optimizer steps per epoch and in total, counted by the run's own loaders and sampler."""
-    train_loader = data.loaders(shapes.train, shapes.val, cfg.data, cfg.run.seed, 0, world,
-                                torch.device("cpu"),
-                                cfg.train.overfit_batches)[0]
+    train_loader = data.loaders(
+        shapes.train,
+        shapes.val,
+        cfg.data,
+        cfg.run.seed,
+        0,
+        world,
+        torch.device("cpu"),
+        cfg.train.overfit_batches,
+    )[0]
     per_epoch = len(train_loader) // cfg.train.grad_accum
     if per_epoch < 1:
-        raise UserError(f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
-                        f"than train.grad_accum={cfg.train.grad_accum}; lower one of them")
+        raise UserError(
+            f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
+            f"than train.grad_accum={cfg.train.grad_accum}; lower one of them"
+        )
     total = cfg.train.epochs * per_epoch
     return per_epoch, min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
-def _activations(model: nn.Module, cfg: Config, info: dict[str, Any], low: str
-                 ) -> tuple[dict[tuple[str, str], Optional[int]], str]:
+def _activations(
+    model: nn.Module, cfg: Config, info: dict[str, Any], low: str
+) -> tuple[dict[tuple[str, str], int | None], str]:
     """Activation bytes per (mode, precision), and a note when the forward cannot be traced."""
     task = tasks.build(cfg.task, info)
     make = getattr(task, "example_input", None)
     try:
         if make is None:
             raise ValueError("the task has no example_input(info, batch_size)")
-        traced: dict[str, Optional[int]] = dict(activation_bytes(
-            model, cfg, lambda n: make(info, n), torch.float16 if low == "fp16" else torch.bfloat16))
+        traced: dict[str, int | None] = dict(
+            activation_bytes(
+                model,
+                cfg,
+                lambda n: make(info, n),
+                torch.float16 if low == "fp16" else torch.bfloat16,
+            )
+        )
         note = ""
     except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
         traced = {"fp32": None, "autocast": None, "cast": None}
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         note = f"activations not estimated: the forward could not be traced ({first[:120]})"
-    return {("ddp", "fp32"): traced["fp32"], ("fsdp", "fp32"): traced["fp32"],
-            ("ddp", low): traced["autocast"], ("fsdp", low): traced["cast"]}, note
+    return {
+        ("ddp", "fp32"): traced["fp32"],
+        ("fsdp", "fp32"): traced["fp32"],
+        ("ddp", low): traced["autocast"],
+        ("fsdp", low): traced["cast"],
+    }, note
 
 
-def _communication(cfg: Config, world: int, shards: int, trainable: int, root: int,
-                   blocks: int) -> dict[str, int]:
+def _communication(
+    cfg: Config, world: int, shards: int, trainable: int, root: int, blocks: int
+) -> dict[str, int]:
     """Bytes each rank sends per optimizer step with ring collectives: DDP all-reduces the fp32
     gradients once; FSDP all-gathers parameters in the compute precision for every micro-batch's
     forward (and again for its backward when it reshards after forward) and reduce-scatters the
@@ -398,32 +472,40 @@ def _communication(cfg: Config, world: int, shards: int, trainable: int, root: i
     if shards > 1:
         itemsize = 4 if cfg.train.precision == "fp32" else 2
         gathered = root + blocks * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
-        comm["fsdp"] = int((shards - 1) / shards * (cfg.train.grad_accum * gathered * itemsize // 4
-                                                    + trainable))
+        comm["fsdp"] = int(
+            (shards - 1) / shards * (cfg.train.grad_accum * gathered * itemsize // 4 + trainable)
+        )
     replicas = world // shards
     if replicas > 1:
         comm["fsdp"] += int(2 * (replicas - 1) / replicas * trainable / shards)
     return comm
 
 
-def _too_big(plan: "Plan") -> Optional[str]:
+def _too_big(plan: Plan) -> str | None:
     cfg = plan.cfg
     chosen = plan.memory_for(_mode(cfg))
     if chosen.total <= plan.device_bytes:
         return None
     other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
     hint = f"; {other.mode} would need {_size(other.total)}" if other.total < chosen.total else ""
-    options = [o for o, applies in (
-        ("parallel.mode=fsdp", chosen.mode != "fsdp" and plan.world_size > 1),
-        ("train.precision=bf16", cfg.train.precision == "fp32"),
-        ("model.activation_checkpointing=true", not cfg.model.activation_checkpointing),
-        ("a smaller data.batch_size", True)) if applies]
-    return (f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
-            f"{_size(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
-            f"{', '.join(options)}")
+    options = [
+        o
+        for o, applies in (
+            ("parallel.mode=fsdp", chosen.mode != "fsdp" and plan.world_size > 1),
+            ("train.precision=bf16", cfg.train.precision == "fp32"),
+            ("model.activation_checkpointing=true", not cfg.model.activation_checkpointing),
+            ("a smaller data.batch_size", True),
+        )
+        if applies
+    ]
+    return (
+        f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
+        f"{_size(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
+        f"{', '.join(options)}"
+    )
 
 
-def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
+def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
     """Everything `report` prints, as numbers."""
     from dtrain.run import check_layout
 
@@ -432,11 +514,16 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
     if nproc < 1 or nnodes < 1:
         raise UserError("plan error: --nproc and --nnodes must be >= 1")
     world = nproc * nnodes
-    env = Env(launcher="torchrun" if world > 1 else "single", world_size=world,
-              local_world_size=nproc, num_nodes=nnodes)
+    env = Env(
+        launcher="torchrun" if world > 1 else "single",
+        world_size=world,
+        local_world_size=nproc,
+        num_nodes=nnodes,
+    )
     check_layout(cfg, env)
     device, device_bytes, warnings = _device(nproc, world)
     from dtrain.dist import pick_backend
+
     backend = pick_backend(cfg.dist.backend, torch.device(device.split()[0])) if world > 1 else None
 
     shapes = _dataset_shapes(cfg)
@@ -466,24 +553,55 @@ def estimate(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> Plan:
             # accumulating without synchronisation
             gathered = (root_bytes + 2 * largest_block) * itemsize // 4
             fsdp_buffers = gathered + (trainable if cfg.train.grad_accum > 1 else largest_block)
-        for mode, state, buffers in (("ddp", ddp_state, ddp_buffers), ("fsdp", fsdp_state, fsdp_buffers)):
-            memory.append(Memory(mode, precision, state["params"], state["grads"], state["optimizer"],
-                                 activations[(mode, precision)], buffers))
+        for mode, state, buffers in (
+            ("ddp", ddp_state, ddp_buffers),
+            ("fsdp", fsdp_state, fsdp_buffers),
+        ):
+            memory.append(
+                Memory(
+                    mode,
+                    precision,
+                    state["params"],
+                    state["grads"],
+                    state["optimizer"],
+                    activations[(mode, precision)],
+                    buffers,
+                )
+            )
 
-    fmt = cfg.ckpt.format if cfg.ckpt.format != "auto" else (
-        "sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
-    plan = Plan(cfg=cfg, world_size=world, nproc=nproc, nnodes=nnodes, device=device, backend=backend,
-                device_bytes=device_bytes, train_size=len(shapes.train), val_size=len(shapes.val),
-                sample=_describe_sample(cfg, shapes.info), data_notes=shapes.notes,
-                model_bytes=_tensor_bytes(model), largest_tensor=_largest_tensor(model),
-                effective_batch=cfg.data.batch_size * world * cfg.train.grad_accum,
-                steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                num_params=sum(p.numel() for p in model.parameters()), num_blocks=len(blocks),
-                checkpoint_format=fmt,
-                checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
-                checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best, memory=memory,
-                comm_bytes=_communication(cfg, world, shards, trainable, root_bytes, block_bytes),
-                state_bytes_unsharded=ddp_state["unsharded"], activation_note=note, warnings=warnings)
+    fmt = (
+        cfg.ckpt.format
+        if cfg.ckpt.format != "auto"
+        else ("sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
+    )
+    plan = Plan(
+        cfg=cfg,
+        world_size=world,
+        nproc=nproc,
+        nnodes=nnodes,
+        device=device,
+        backend=backend,
+        device_bytes=device_bytes,
+        train_size=len(shapes.train),
+        val_size=len(shapes.val),
+        sample=_describe_sample(cfg, shapes.info),
+        data_notes=shapes.notes,
+        model_bytes=_tensor_bytes(model),
+        largest_tensor=_largest_tensor(model),
+        effective_batch=cfg.data.batch_size * world * cfg.train.grad_accum,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_blocks=len(blocks),
+        checkpoint_format=fmt,
+        checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
+        checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best,
+        memory=memory,
+        comm_bytes=_communication(cfg, world, shards, trainable, root_bytes, block_bytes),
+        state_bytes_unsharded=ddp_state["unsharded"],
+        activation_note=note,
+        warnings=warnings,
+    )
     too_big = _too_big(plan)
     if too_big:
         plan.warnings.append(too_big)
@@ -524,14 +642,18 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
+def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     """The plan as text: layout, data, steps, checkpoints, memory per rank, communication."""
     p = estimate(cfg, nproc, nnodes)
     c = cfg
     chosen_mode = _mode(cfg)
     max_steps = f" (train.max_steps {c.train.max_steps})" if c.train.max_steps else ""
-    overfit = (f" (train.overfit_batches={c.train.overfit_batches}: the same "
-               f"{c.train.overfit_batches} batches every epoch)" if c.train.overfit_batches else "")
+    overfit = (
+        f" (train.overfit_batches={c.train.overfit_batches}: the same "
+        f"{c.train.overfit_batches} batches every epoch)"
+        if c.train.overfit_batches
+        else ""
+    )
     lines = [
         "dtrain plan (no process group started, no training data read)",
         f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
@@ -546,9 +668,11 @@ def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
         f"{c.train.epochs} epoch(s){max_steps}",
         f"  model       {c.model.name}: {p.num_params / 1e6:.3f} M parameters in "
         f"{p.num_blocks} block(s)",
-        f"  checkpoint  {p.checkpoint_format}, about {_size(p.checkpoint_bytes)} each; at most {p.checkpoints_kept} "
+        f"  checkpoint  {p.checkpoint_format}, about {_size(p.checkpoint_bytes)} each; "
+        f"at most {p.checkpoints_kept} "
         f"kept (keep_last {c.ckpt.keep_last} + keep_best {c.ckpt.keep_best}) = "
-        f"{_size(p.checkpoint_bytes * p.checkpoints_kept)} on disk, one more while a save is written",
+        f"{_size(p.checkpoint_bytes * p.checkpoints_kept)} on disk, "
+        "one more while a save is written",
         "",
         f"memory per rank (batch {c.data.batch_size}; FSDP over "
         f"{_fsdp_shards(cfg, p.world_size)} shard(s); rank 0, the largest shard)",
@@ -558,9 +682,11 @@ def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
     for m in p.memory:
         mark = "  <- this run" if (m.mode, m.precision) == (chosen_mode, c.train.precision) else ""
         acts = _size(m.activations) if m.activations is not None else "?"
-        lines.append(f"  {m.mode + ' ' + m.precision:14}{_size(m.params):>11}{_size(m.grads):>11}"
-                     f"{_size(m.optimizer):>11}{acts:>13}{_size(m.buffers):>11}"
-                     f"{_size(m.total):>11}{mark}")
+        lines.append(
+            f"  {m.mode + ' ' + m.precision:14}{_size(m.params):>11}{_size(m.grads):>11}"
+            f"{_size(m.optimizer):>11}{acts:>13}{_size(m.buffers):>11}"
+            f"{_size(m.total):>11}{mark}"
+        )
     ddp, fsdp = p.memory_for("ddp", "fp32"), p.memory_for("fsdp", "fp32")
     lines += [
         f"  state (params + grads + optimizer): ddp {ddp.state} bytes, fsdp {fsdp.state} bytes "
@@ -587,8 +713,10 @@ def report(cfg: Config, nproc: Optional[int] = None, nnodes: int = 1) -> str:
         lines.append("  none: a single rank")
     else:
         lines.append(f"  ddp   all-reduce of fp32 gradients: {_size(p.comm_bytes['ddp'])}")
-        lines.append(f"  fsdp  all-gather of parameters ({c.train.precision}) + reduce-scatter of "
-                     f"fp32 gradients: {_size(p.comm_bytes['fsdp'])}")
+        lines.append(
+            f"  fsdp  all-gather of parameters ({c.train.precision}) + reduce-scatter of "
+            f"fp32 gradients: {_size(p.comm_bytes['fsdp'])}"
+        )
     for warning in p.warnings:
         lines.append(f"WARNING: {warning}")
     lines += ["", "resolved config:", *("  " + line for line in dump(cfg).splitlines())]

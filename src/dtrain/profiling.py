@@ -9,7 +9,6 @@ Rank 0 also logs the ten operators that took the most time of their own.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -29,7 +28,7 @@ class Profiler:
         self.dir = os.path.join(run_dir, "profile")
         self.traced = False
         self._ending = False
-        self._prof: Optional[profile] = None
+        self._prof: profile | None = None
         if not cfg.enabled:
             return
         activities = [ProfilerActivity.CPU]
@@ -40,15 +39,18 @@ class Profiler:
             # with one, its messages (CUPTI permissions, say) matter and stay.
             os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._write_trace = tensorboard_trace_handler(self.dir, worker_name=f"rank{rank}")
-        self._prof = profile(activities=activities,
-                             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active,
-                                               repeat=1),
-                             on_trace_ready=self._on_trace_ready)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
+            on_trace_ready=self._on_trace_ready,
+        )
 
     def start(self) -> None:
         if self._prof is not None:
-            log.info(f"profiler: recording steps {self.cfg.wait + self.cfg.warmup + 1} to "
-                     f"{self.cfg.wait + self.cfg.warmup + self.cfg.active} of this attempt")
+            log.info(
+                f"profiler: recording steps {self.cfg.wait + self.cfg.warmup + 1} to "
+                f"{self.cfg.wait + self.cfg.warmup + self.cfg.active} of this attempt"
+            )
             self._prof.start()
 
     def step(self) -> None:
@@ -64,8 +66,10 @@ class Profiler:
         prof.stop()
         if not self.traced:
             last = self.cfg.wait + self.cfg.warmup + self.cfg.active
-            log.warning(f"profiler: training ended before step {last} of this attempt, inside the "
-                        f"profiling window; no trace (lower log.profile.wait, warmup or active)")
+            log.warning(
+                f"profiler: training ended before step {last} of this attempt, inside the "
+                f"profiling window; no trace (lower log.profile.wait, warmup or active)"
+            )
 
     def _on_trace_ready(self, prof: profile) -> None:
         if self._ending:
@@ -77,5 +81,7 @@ class Profiler:
         on_gpu = self.device.type == "cuda"
         sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=TOP_ROWS)
-        log.info(f"profiler: trace in {self.dir}; top {TOP_ROWS} operators by "
-                 f"{'CUDA' if on_gpu else 'CPU'} time of their own:\n{table}")
+        log.info(
+            f"profiler: trace in {self.dir}; top {TOP_ROWS} operators by "
+            f"{'CUDA' if on_gpu else 'CPU'} time of their own:\n{table}"
+        )

@@ -21,26 +21,59 @@ import hashlib
 import os
 import subprocess
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import yaml
 
-from dtrain.checkpoint.store import LATEST, CHECKPOINTS, Store
+from dtrain.checkpoint.store import CHECKPOINTS, LATEST, Store
 from dtrain.config import Config, to_dict, training_part
 from dtrain.errors import UserError
 from dtrain.observe import log
 
 FILE = "runs.csv"
-COLUMNS = ("name", "status", "started", "wall_time_s", "attempts", "step", "world_size",
-           "monitor", "best_metric", "best_checkpoint", "git_commit", "config_hash", "mode",
-           "model", "data", "optimizer", "lr", "effective_batch", "epochs", "max_steps",
-           "precision", "seed", "error")
+COLUMNS = (
+    "name",
+    "status",
+    "started",
+    "wall_time_s",
+    "attempts",
+    "step",
+    "world_size",
+    "monitor",
+    "best_metric",
+    "best_checkpoint",
+    "git_commit",
+    "config_hash",
+    "mode",
+    "model",
+    "data",
+    "optimizer",
+    "lr",
+    "effective_batch",
+    "epochs",
+    "max_steps",
+    "precision",
+    "seed",
+    "error",
+)
 # What `dtrain runs` shows, and under which heading.
-SHOWN = (("name", "run"), ("status", "status"), ("started", "started"), ("wall_time_s", "wall"),
-         ("step", "step"), ("world_size", "world"), ("best", "best"),
-         ("best_checkpoint", "best checkpoint"), ("model", "model"), ("optimizer", "optim"),
-         ("lr", "lr"), ("effective_batch", "batch"), ("git_commit", "commit"),
-         ("config_hash", "config"))
+SHOWN = (
+    ("name", "run"),
+    ("status", "status"),
+    ("started", "started"),
+    ("wall_time_s", "wall"),
+    ("step", "step"),
+    ("world_size", "world"),
+    ("best", "best"),
+    ("best_checkpoint", "best checkpoint"),
+    ("model", "model"),
+    ("optimizer", "optim"),
+    ("lr", "lr"),
+    ("effective_batch", "batch"),
+    ("git_commit", "commit"),
+    ("config_hash", "config"),
+)
 
 
 def config_hash(cfg: Config) -> str:
@@ -54,12 +87,18 @@ def git_commit(cwd: str) -> str:
     """HEAD of the git work tree the run was started from, with '-dirty' when tracked files differ
     from it; '' outside a work tree or without git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                              text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return ""
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                                capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
@@ -90,29 +129,46 @@ class RunRecord:
             return
         cfg = self.cfg
         resuming = cfg.ckpt.resume != "none" and os.path.exists(
-            os.path.join(run_dir, CHECKPOINTS, LATEST))
+            os.path.join(run_dir, CHECKPOINTS, LATEST)
+        )
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         row = {
-            "name": cfg.run.name, "status": "running", "started": now, "wall_time_s": "0",
-            "attempts": "1", "step": "0", "world_size": str(self.world_size),
-            "monitor": cfg.ckpt.monitor, "best_metric": "", "best_checkpoint": "",
-            "git_commit": git_commit(os.getcwd()), "config_hash": config_hash(cfg),
-            "mode": cfg.parallel.mode, "model": cfg.model.name, "data": cfg.data.name,
-            "optimizer": cfg.optim.name, "lr": str(cfg.optim.lr),
+            "name": cfg.run.name,
+            "status": "running",
+            "started": now,
+            "wall_time_s": "0",
+            "attempts": "1",
+            "step": "0",
+            "world_size": str(self.world_size),
+            "monitor": cfg.ckpt.monitor,
+            "best_metric": "",
+            "best_checkpoint": "",
+            "git_commit": git_commit(os.getcwd()),
+            "config_hash": config_hash(cfg),
+            "mode": cfg.parallel.mode,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "optimizer": cfg.optim.name,
+            "lr": str(cfg.optim.lr),
             "effective_batch": str(cfg.data.batch_size * self.world_size * cfg.train.grad_accum),
-            "epochs": str(cfg.train.epochs), "max_steps": str(cfg.train.max_steps or ""),
-            "precision": cfg.train.precision, "seed": str(cfg.run.seed), "error": "",
+            "epochs": str(cfg.train.epochs),
+            "max_steps": str(cfg.train.max_steps or ""),
+            "precision": cfg.train.precision,
+            "seed": str(cfg.run.seed),
+            "error": "",
         }
         try:
             with _table(self.path) as rows:
                 earlier = rows.get(cfg.run.name)
                 if resuming and earlier is not None:
                     self.earlier_wall_s = _float(earlier.get("wall_time_s"))
-                    row.update(started=earlier.get("started") or now,
-                               attempts=str(int(_float(earlier.get("attempts"))) + 1),
-                               step=earlier.get("step") or "0",
-                               best_metric=earlier.get("best_metric", ""),
-                               best_checkpoint=earlier.get("best_checkpoint", ""))
+                    row.update(
+                        started=earlier.get("started") or now,
+                        attempts=str(int(_float(earlier.get("attempts"))) + 1),
+                        step=earlier.get("step") or "0",
+                        best_metric=earlier.get("best_metric", ""),
+                        best_checkpoint=earlier.get("best_checkpoint", ""),
+                    )
                 rows[cfg.run.name] = row
         except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
             log.warning(f"run records: cannot write {self.path} ({e}); this run is not recorded")
@@ -125,8 +181,11 @@ class RunRecord:
         if not self.started or self.ended:
             return
         ckpt = self.cfg.ckpt
-        fields = {"status": status, "step": str(state.step),
-                  "best_checkpoint": best_checkpoint(self.run_dir, ckpt.monitor, ckpt.monitor_mode)}
+        fields = {
+            "status": status,
+            "step": str(state.step),
+            "best_checkpoint": best_checkpoint(self.run_dir, ckpt.monitor, ckpt.monitor_mode),
+        }
         if state.best_metric is not None:
             fields["best_metric"] = f"{state.best_metric:.6g}"
         self._write(fields)
@@ -185,7 +244,7 @@ def _read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     return rows, extra
 
 
-def _float(text: Optional[str]) -> float:
+def _float(text: str | None) -> float:
     try:
         return float(text or 0)
     except ValueError:
@@ -201,8 +260,10 @@ def _clock(seconds: float) -> str:
 def table(out_dir: str) -> str:
     """`dtrain runs`: the records of `out_dir` as an aligned text table, oldest first."""
     if not os.path.isdir(out_dir):
-        raise UserError(f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
-                        f"your runs with --out-dir")
+        raise UserError(
+            f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
+            f"your runs with --out-dir"
+        )
     rows, _ = _read(os.path.join(out_dir, FILE))
     if not rows:
         return f"no runs recorded in {os.path.join(out_dir, FILE)}"
@@ -211,15 +272,21 @@ def table(out_dir: str) -> str:
         shown = dict(row)
         shown["started"] = (row.get("started") or "")[:16].replace("T", " ")
         shown["wall_time_s"] = _clock(_float(row.get("wall_time_s")))
-        shown["best"] = f"{row.get('monitor')} {row['best_metric']}" if row.get("best_metric") else ""
+        shown["best"] = (
+            f"{row.get('monitor')} {row['best_metric']}" if row.get("best_metric") else ""
+        )
         if row.get("best_checkpoint"):  # relative to out_dir: the table stays narrow
             shown["best_checkpoint"] = os.path.relpath(row["best_checkpoint"], out_dir)
         shown["git_commit"] = (row.get("git_commit") or "")[:10] + (
-            "-dirty" if (row.get("git_commit") or "").endswith("-dirty") else "")
+            "-dirty" if (row.get("git_commit") or "").endswith("-dirty") else ""
+        )
         lines.append([shown.get(key) or "-" for key, _ in SHOWN])
     header = [title for _, title in SHOWN]
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *lines]]
+    text = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)).rstrip()
+        for r in [header, *lines]
+    ]
     failed = [row for row in rows.values() if row.get("status") == "failed" and row.get("error")]
     text += [f"{row['name']}: {row['error']}" for row in failed]
     return "\n".join(text)

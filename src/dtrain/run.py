@@ -9,24 +9,45 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from dtrain import (checkpoint, data, dist, env as env_mod, models, optim, parallel, profiling,
-                    records, signals, slurm, tasks)
+from dtrain import (
+    checkpoint,
+    data,
+    dist,
+    models,
+    optim,
+    parallel,
+    profiling,
+    records,
+    signals,
+    slurm,
+    tasks,
+)
+from dtrain import (
+    env as env_mod,
+)
 from dtrain.checkpoint.state import reseed
-from dtrain.checkpoint.weights import StartingWeights
 from dtrain.checkpoint.store import RunDirLock, Store, check_shared
+from dtrain.checkpoint.weights import StartingWeights
 from dtrain.config import Config, dump
 from dtrain.errors import PeerFailure, UserError
-from dtrain.observe import (RunLog, StartupClock, Throughput, attach_log_files, log, peak_flops,
-                            setup_logging)
+from dtrain.observe import (
+    RunLog,
+    StartupClock,
+    Throughput,
+    attach_log_files,
+    log,
+    peak_flops,
+    setup_logging,
+)
 from dtrain.trainer import Callbacks, Trainer, TrainState
 
 
-def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: Optional[str] = None) -> None:
+def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> None:
     """An unnamed run is named after its SLURM job (`job_<id>`: a requeued job finds its run
     again, and two jobs of one config never share a directory), else after its config file
     (`configs/default.yaml` -> `default`), else `default`. The shipped configs name no run."""
@@ -43,8 +64,10 @@ def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: Optional[str] =
 def check_layout(cfg: Config, env: env_mod.Env) -> None:
     """Combinations of config and launch that cannot work, caught before any process group."""
     if cfg.parallel.mode == "none" and env.world_size > 1:
-        raise UserError(f"config error: parallel.mode: 'none' with {env.world_size} ranks would "
-                        f"train {env.world_size} unrelated models; use ddp or fsdp")
+        raise UserError(
+            f"config error: parallel.mode: 'none' with {env.world_size} ranks would "
+            f"train {env.world_size} unrelated models; use ddp or fsdp"
+        )
 
 
 def prepare_run_dir(cfg: Config) -> str:
@@ -56,8 +79,10 @@ def prepare_run_dir(cfg: Config) -> str:
             pass
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"output error: cannot write the run directory '{run_dir}' "
-                        f"({e.strerror}); set run.out_dir to a writable place") from None
+        raise UserError(
+            f"output error: cannot write the run directory '{run_dir}' "
+            f"({e.strerror}); set run.out_dir to a writable place"
+        ) from None
     return run_dir
 
 
@@ -81,6 +106,7 @@ def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state, and what the same
     state would take unsharded (DDP holds all of it on every rank)."""
+
     def local_and_full(t: torch.Tensor) -> tuple[int, int]:
         local = t.to_local() if hasattr(t, "to_local") else t
         return local.numel() * local.element_size(), t.numel() * t.element_size()
@@ -103,12 +129,13 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return totals
 
 
-def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[Any]:
+def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Any | None:
     if cfg.train.precision != "fp16":
         return None
     if is_fsdp:
         # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         return ShardedGradScaler(device=device.type, init_scale=cfg.train.loss_scale_init)
     return torch.amp.GradScaler(device.type, init_scale=cfg.train.loss_scale_init)
 
@@ -116,6 +143,7 @@ def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Optional[An
 @dataclass
 class Pieces:
     """What a run trains, built and checked before anything is written."""
+
     datasets: data.Datasets
     loaders: tuple
     task: tasks.Task
@@ -124,18 +152,19 @@ class Pieces:
     is_fsdp: bool
     steps_per_epoch: int
     notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
-    starting_weights: Optional[StartingWeights]  # model.init_from / pretrained, checked
+    starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
 
 
-def train(cfg: Config, config_path: Optional[str] = None) -> str:
+def train(cfg: Config, config_path: str | None = None) -> str:
     """Run training; returns 'finished' or 'preempted'. Raises UserError for bad input."""
     clock = StartupClock()
     clock.mark("imports")
     env = env_mod.detect()
     resolve_run_name(cfg, env, config_path)
     check_layout(cfg, env)
-    runtime = dist.init(env, cfg.dist, cpu_collectives=cfg.parallel.mode == "fsdp"
-                        and cfg.parallel.fsdp.cpu_offload)
+    runtime = dist.init(
+        env, cfg.dist, cpu_collectives=cfg.parallel.mode == "fsdp" and cfg.parallel.fsdp.cpu_offload
+    )
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
     setup_logging(dist.rank(), cfg.log.all_ranks)
@@ -180,15 +209,28 @@ def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pie
     datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
     workers, why = data.workers_for(data_cfg, runtime.env.local_world_size)
     notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
-    loaders = data.loaders(datasets.train, datasets.val, data_cfg, cfg.run.seed, rank, world,
-                           runtime.device, overfit, workers)
+    loaders = data.loaders(
+        datasets.train,
+        datasets.val,
+        data_cfg,
+        cfg.run.seed,
+        rank,
+        world,
+        runtime.device,
+        overfit,
+        workers,
+    )
     if overfit:
-        notes.append(f"overfit check: the same {overfit} batch(es) per rank every epoch, "
-                     f"augmentation off; the training loss should fall towards 0")
+        notes.append(
+            f"overfit check: the same {overfit} batch(es) per rank every epoch, "
+            f"augmentation off; the training loss should fall towards 0"
+        )
     steps_per_epoch = len(loaders[0]) // cfg.train.grad_accum
     if steps_per_epoch < 1:
-        raise UserError(f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
-                        f"train.grad_accum={cfg.train.grad_accum}; lower one of them")
+        raise UserError(
+            f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
+            f"train.grad_accum={cfg.train.grad_accum}; lower one of them"
+        )
     task = tasks.build(cfg.task, datasets.info)
     clock.mark("data")
     is_fsdp = cfg.parallel.mode == "fsdp" and runtime.env.distributed
@@ -198,15 +240,24 @@ def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pie
     _check_task(cfg, task, wrapped, loaders[2], runtime.device, datasets.on_device, is_fsdp)
     if is_fsdp:
         parallel.reshard(wrapped)
-    starting = StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained \
-        else None
+    starting = (
+        StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
+    )
     clock.mark("task check")
-    return Pieces(datasets, loaders, task, wrapped, num_params, is_fsdp, steps_per_epoch, notes,
-                  starting)
+    return Pieces(
+        datasets, loaders, task, wrapped, num_params, is_fsdp, steps_per_epoch, notes, starting
+    )
 
 
-def _check_task(cfg: Config, task: tasks.Task, model: nn.Module, val_loader: Any,
-                device: torch.device, on_device: Any, is_fsdp: bool) -> None:
+def _check_task(
+    cfg: Config,
+    task: tasks.Task,
+    model: nn.Module,
+    val_loader: Any,
+    device: torch.device,
+    on_device: Any,
+    is_fsdp: bool,
+) -> None:
     """The task once on the first validation batch, on every rank; the first problem any rank
     finds ends every rank with the same line (exit 2)."""
     batch = data.to_device(next(iter(val_loader)), device, on_device, cfg.model.channels_last)
@@ -220,8 +271,13 @@ def _check_task(cfg: Config, task: tasks.Task, model: nn.Module, val_loader: Any
         raise UserError(problems[0])
 
 
-def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces: Pieces,
-           clock: StartupClock) -> str:
+def _train(
+    cfg: Config,
+    runtime: dist.Runtime,
+    record: records.RunRecord,
+    pieces: Pieces,
+    clock: StartupClock,
+) -> str:
     rank, run_dir = dist.rank(), cfg.run_dir
     record.start(run_dir)
     if dist.is_main():
@@ -232,23 +288,34 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    schedule = optim.build_schedule(optimizer, cfg.sched, cfg.optim.lr, total_steps,
-                                    cfg.ckpt.monitor_mode)
+    schedule = optim.build_schedule(
+        optimizer, cfg.sched, cfg.optim.lr, total_steps, cfg.ckpt.monitor_mode
+    )
     scaler = make_scaler(cfg, runtime.device, is_fsdp)
     torch.manual_seed(cfg.run.seed + 1 + rank)  # per-rank randomness from here on (dropout)
 
     def extra_state() -> dict[str, Any]:
-        return {"schedule": schedule.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None}
+        return {
+            "schedule": schedule.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
 
     def load_extra_state(extra: dict[str, Any]) -> None:
         schedule.load_state_dict(extra["schedule"])
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
 
-    checkpoints = checkpoint.Checkpointer(cfg, Store(run_dir), wrapped, optimizer, extra_state,
-                                          load_extra_state, runtime.device, is_fsdp,
-                                          models.model_info(cfg.model, pieces.datasets.info))
+    checkpoints = checkpoint.Checkpointer(
+        cfg,
+        Store(run_dir),
+        wrapped,
+        optimizer,
+        extra_state,
+        load_extra_state,
+        runtime.device,
+        is_fsdp,
+        models.model_info(cfg.model, pieces.datasets.info),
+    )
     state = TrainState()
     resumed = checkpoints.resume()
     if resumed:
@@ -263,6 +330,7 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces
     clock.mark("run directory and resume")
     _banner(cfg, runtime, pieces, run_dir, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, rank, runtime.device)
+
     def first_step() -> dict[str, Any]:
         clock.mark("first step")
         log.info(clock.line())
@@ -273,11 +341,28 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces
         job_id = runtime.env.slurm_job_id
         callbacks.before_stop_save = lambda last_save_s: slurm.check_grace(job_id, last_save_s)
     peak = peak_flops(runtime.device, cfg.train.precision)
-    throughput = Throughput(getattr(pieces.task, "tokens_per_sample", None), pieces.num_params,
-                            peak * dist.world_size() if peak else None)
-    trainer = Trainer(cfg, wrapped, pieces.task, optimizer, schedule, scaler, pieces.loaders,
-                      runtime.device, is_fsdp, run_log, checkpoints, state, callbacks, throughput,
-                      pieces.datasets)
+    throughput = Throughput(
+        getattr(pieces.task, "tokens_per_sample", None),
+        pieces.num_params,
+        peak * dist.world_size() if peak else None,
+    )
+    trainer = Trainer(
+        cfg,
+        wrapped,
+        pieces.task,
+        optimizer,
+        schedule,
+        scaler,
+        pieces.loaders,
+        runtime.device,
+        is_fsdp,
+        run_log,
+        checkpoints,
+        state,
+        callbacks,
+        throughput,
+        pieces.datasets,
+    )
     try:
         profiler.start()
         outcome = _fit_naming_lost_peers(trainer, cfg)
@@ -292,15 +377,23 @@ def _train(cfg: Config, runtime: dist.Runtime, record: records.RunRecord, pieces
 
 
 # Changes that make the length of a run different from the one its schedule was made for.
-_SCHEDULE_KEYS = ("train.epochs", "train.max_steps", "data.batch_size", "train.grad_accum", "sched.")
+_SCHEDULE_KEYS = (
+    "train.epochs",
+    "train.max_steps",
+    "data.batch_size",
+    "train.grad_accum",
+    "sched.",
+)
 
 
 def _reconcile_schedule(schedule: Any, changes: list[str], total_steps: int) -> None:
     """A resumed schedule keeps the length it had when the run started (another world size does
     not bend it), unless the user changed the run's length on purpose."""
     if any(change.startswith(_SCHEDULE_KEYS) for change in changes):
-        log.info(f"the learning-rate schedule now spans {total_steps} steps "
-                 f"(was {schedule.total_steps}), following the changed config")
+        log.info(
+            f"the learning-rate schedule now spans {total_steps} steps "
+            f"(was {schedule.total_steps}), following the changed config"
+        )
         schedule.total_steps = max(1, total_steps)
 
 
@@ -316,12 +409,17 @@ def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
             raise UserError(announced) from None
         step = trainer.state.step + 1
         missing = dist.ranks_not_arriving(f"step{step}")
-        who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
-               else "another rank failed")
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not arrive"
+            if missing
+            else "another rank failed"
+        )
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PeerFailure(f"distributed error at step {step} on rank {dist.rank()}: {who} "
-                          f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
-                          f"backend said: {first_line}") from None
+        raise PeerFailure(
+            f"distributed error at step {step} on rank {dist.rank()}: {who} "
+            f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
+            f"backend said: {first_line}"
+        ) from None
 
 
 def _set_torch_flags(cfg: Config) -> None:
@@ -335,26 +433,35 @@ def _set_torch_flags(cfg: Config) -> None:
 def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, is_fsdp: bool) -> dict:
     sizes = state_bytes(model, optimizer)
     mib = {k: v / 2**20 for k, v in sizes.items()}
-    log.info(f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
-             f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
-             f"{mib['unsharded']:.2f} MiB")
+    log.info(
+        f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
+        f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
+        f"{mib['unsharded']:.2f} MiB"
+    )
     return {"state_bytes": sizes["total"], "state_bytes_unsharded": sizes["unsharded"]}
 
 
-def _banner(cfg: Config, runtime: dist.Runtime, pieces: Pieces, run_dir: str,
-            resumed: Optional[dict]) -> None:
+def _banner(
+    cfg: Config, runtime: dist.Runtime, pieces: Pieces, run_dir: str, resumed: dict | None
+) -> None:
     env = runtime.env
     world = dist.world_size()
     effective = cfg.data.batch_size * world * cfg.train.grad_accum
-    source = f"resumed from {resumed['path']} at step {resumed['step']}" if resumed else "fresh start"
+    source = (
+        f"resumed from {resumed['path']} at step {resumed['step']}" if resumed else "fresh start"
+    )
     if resumed and resumed["world_size"] != world:
         source += f" (world size {resumed['world_size']} -> {world})"
-    log.info(f"dtrain | {env.describe()} | device {runtime.device} | backend "
-             f"{runtime.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}")
-    log.info(f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
-             f"{cfg.task.name} | data {cfg.data.name} | effective batch {effective} = "
-             f"{cfg.data.batch_size} per rank x {world} rank(s) x {cfg.train.grad_accum} "
-             f"accumulation | {pieces.steps_per_epoch} steps per epoch")
+    log.info(
+        f"dtrain | {env.describe()} | device {runtime.device} | backend "
+        f"{runtime.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}"
+    )
+    log.info(
+        f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
+        f"{cfg.task.name} | data {cfg.data.name} | effective batch {effective} = "
+        f"{cfg.data.batch_size} per rank x {world} rank(s) x {cfg.train.grad_accum} "
+        f"accumulation | {pieces.steps_per_epoch} steps per epoch"
+    )
     for note in pieces.notes:
         log.info(note)
     log.info(f"run directory {run_dir} | {source}")

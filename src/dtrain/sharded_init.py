@@ -21,7 +21,8 @@ every parameter, plus one full tensor at a time.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 FULL_BYTES = 1 << 20  # tensors up to this size are built whole
+
 
 def _ops(*names: str) -> set:
     """The aten overloads named 'op.overload' that this torch has."""
@@ -41,24 +43,63 @@ def _ops(*names: str) -> set:
     return found
 
 
-RANDOM_IN_PLACE = _ops("uniform_.default", "normal_.default", "bernoulli_.float", "bernoulli_.Tensor",
-                       "random_.default", "random_.from", "random_.to", "exponential_.default",
-                       "log_normal_.default", "cauchy_.default", "geometric_.default")
-RANDOM_FACTORIES = _ops("randn.default", "randn.generator", "rand.default", "rand.generator",
-                        "randint.default", "randint.low", "normal.float_float", "randperm.default")
-FACTORIES = _ops("empty.memory_format", "zeros.default", "ones.default", "full.default",
-                 "empty_strided.default")
-VIEWS = _ops("select.int", "slice.Tensor", "t.default", "view.default", "reshape.default",
-             "unsqueeze.default", "transpose.int", "permute.default", "expand.default")
+RANDOM_IN_PLACE = _ops(
+    "uniform_.default",
+    "normal_.default",
+    "bernoulli_.float",
+    "bernoulli_.Tensor",
+    "random_.default",
+    "random_.from",
+    "random_.to",
+    "exponential_.default",
+    "log_normal_.default",
+    "cauchy_.default",
+    "geometric_.default",
+)
+RANDOM_FACTORIES = _ops(
+    "randn.default",
+    "randn.generator",
+    "rand.default",
+    "rand.generator",
+    "randint.default",
+    "randint.low",
+    "normal.float_float",
+    "randperm.default",
+)
+FACTORIES = _ops(
+    "empty.memory_format", "zeros.default", "ones.default", "full.default", "empty_strided.default"
+)
+VIEWS = _ops(
+    "select.int",
+    "slice.Tensor",
+    "t.default",
+    "view.default",
+    "reshape.default",
+    "unsqueeze.default",
+    "transpose.int",
+    "permute.default",
+    "expand.default",
+)
 DETACH = _ops("detach.default", "alias.default")
 LIKE = _ops("empty_like.default", "zeros_like.default", "ones_like.default", "full_like.default")
 # Reductions of a whole tensor to one value: this rank's rows, then all ranks' results combined.
-REDUCTIONS = {op: how for names, how in (
-    (("any.default", "max.default", "amax.default"), "max"),
-    (("all.default", "min.default", "amin.default"), "min"),
-    (("sum.default",), "sum")) for op in _ops(*names)}
-ROW_WISE = _ops("copy_.default", "_to_copy.default", "clone.default", "fill_.Scalar",
-                "fill_.Tensor", "zero_.default")
+REDUCTIONS = {
+    op: how
+    for names, how in (
+        (("any.default", "max.default", "amax.default"), "max"),
+        (("all.default", "min.default", "amin.default"), "min"),
+        (("sum.default",), "sum"),
+    )
+    for op in _ops(*names)
+}
+ROW_WISE = _ops(
+    "copy_.default",
+    "_to_copy.default",
+    "clone.default",
+    "fill_.Scalar",
+    "fill_.Tensor",
+    "zero_.default",
+)
 
 
 class NotReplayable(Exception):
@@ -81,8 +122,10 @@ class Rows(torch.Tensor):
     stop: int
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, local: torch.Tensor, start: int, stop: int) -> "Rows":
-        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+    def __new__(cls, shape: torch.Size, local: torch.Tensor, start: int, stop: int) -> Rows:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device
+        )
         out.local, out.start, out.stop = local, start, stop
         return out
 
@@ -105,41 +148,52 @@ class _Construction(TorchDispatchMode):
         return Rows(full.shape, full[start:stop].clone(), start, stop)
 
     @staticmethod
-    def _large(shape: Any, dtype: Optional[torch.dtype]) -> bool:
+    def _large(shape: Any, dtype: torch.dtype | None) -> bool:
         shape = list(shape)
         if not shape or shape[0] < 2:
             return False
         return math.prod(shape) * (dtype or torch.get_default_dtype()).itemsize > FULL_BYTES
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         rows = [a for a in (*args, *kwargs.values()) if isinstance(a, Rows)]
         if not rows:
-            if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.views \
-                    and _in_place(func):
+            if (
+                args
+                and isinstance(args[0], torch.Tensor)
+                and id(args[0]) in self.views
+                and _in_place(func)
+            ):
                 raise NotReplayable(f"{func} writes into a view of a large tensor")
             out = func(*args, **kwargs)
-            if (func in FACTORIES or func in RANDOM_FACTORIES) and isinstance(out, torch.Tensor) \
-                    and self._large(out.shape, out.dtype):
+            if (
+                (func in FACTORIES or func in RANDOM_FACTORIES)
+                and isinstance(out, torch.Tensor)
+                and self._large(out.shape, out.dtype)
+            ):
                 return self._rows_of(out)  # built whole once (random draws as usual), rows kept
             return out
         target = args[0] if args and isinstance(args[0], Rows) else rows[0]
         if func in RANDOM_IN_PLACE and args[0] is target:
             full = torch.empty(target.shape, dtype=target.dtype)
             func(full, *args[1:], **kwargs)  # the same draws as on the whole tensor
-            target.local.copy_(full[target.start:target.stop])
+            target.local.copy_(full[target.start : target.stop])
             return target
         if func in DETACH:
             return Rows(target.shape, target.local, target.start, target.stop)
         if func in LIKE and args[0] is target:  # a new tensor of the same rows
-            return Rows(target.shape, func(target.local, *args[1:], **kwargs), target.start,
-                        target.stop)
+            return Rows(
+                target.shape, func(target.local, *args[1:], **kwargs), target.start, target.stop
+            )
         if func in REDUCTIONS and args[0] is target and len(args) == 1:
             return self._reduce(func, target)
         if func in VIEWS:
             # Read for its shape only (fan-in/fan-out); a later write into it is refused.
-            stand_in = func(torch.empty(target.shape, dtype=target.dtype, device="meta"),
-                            *args[1:], **kwargs)
+            stand_in = func(
+                torch.empty(target.shape, dtype=target.dtype, device="meta"), *args[1:], **kwargs
+            )
             self.views.add(id(stand_in))
             return stand_in
         if torch.Tag.pointwise in func.tags or func in ROW_WISE:
@@ -152,16 +206,21 @@ class _Construction(TorchDispatchMode):
         rows, and the ranks combine theirs, so that all decide the same, as on the whole tensor.
         Every rank builds the model at the same time, so the collectives meet."""
         import torch.distributed as torch_dist
+
         how = REDUCTIONS[func]
         local = target.local
         if local.numel():
             value = func(local).double()
         else:  # a rank without rows of this tensor contributes the neutral element
-            value = torch.tensor({"max": -math.inf, "min": math.inf, "sum": 0.0}[how],
-                                 dtype=torch.float64)
+            value = torch.tensor(
+                {"max": -math.inf, "min": math.inf, "sum": 0.0}[how], dtype=torch.float64
+            )
         if torch_dist.is_available() and torch_dist.is_initialized():
-            op = {"max": torch_dist.ReduceOp.MAX, "min": torch_dist.ReduceOp.MIN,
-                  "sum": torch_dist.ReduceOp.SUM}[how]
+            op = {
+                "max": torch_dist.ReduceOp.MAX,
+                "min": torch_dist.ReduceOp.MIN,
+                "sum": torch_dist.ReduceOp.SUM,
+            }[how]
             value = value.reshape(1)
             torch_dist.all_reduce(value, op=op)
         dtype = torch.bool if func.__name__.startswith(("any", "all")) else target.dtype
@@ -170,19 +229,33 @@ class _Construction(TorchDispatchMode):
     def _pointwise(self, func: Any, target: Rows, args: tuple, kwargs: dict) -> Any:
         def local(value: Any) -> Any:
             if isinstance(value, Rows):
-                if (value.shape[0], value.start, value.stop) != (target.shape[0], target.start,
-                                                                 target.stop):
+                if (value.shape[0], value.start, value.stop) != (
+                    target.shape[0],
+                    target.start,
+                    target.stop,
+                ):
                     raise NotReplayable(f"{func} mixes tensors of different rows")
                 return value.local
-            if isinstance(value, torch.Tensor) and value.dim() == target.dim() and \
-                    value.shape[0] == target.shape[0] and value.shape[0] > 1:
-                return value[target.start:target.stop]  # a whole tensor of the same rows
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() == target.dim()
+                and value.shape[0] == target.shape[0]
+                and value.shape[0] > 1
+            ):
+                return value[target.start : target.stop]  # a whole tensor of the same rows
             return value  # a scalar, or a tensor that broadcasts along the rows
+
         out = func(*tree_map(local, args), **tree_map(local, kwargs))
         if _in_place(func) and args and args[0] is target:
             return target
-        if isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == target.stop - target.start:
-            return Rows(torch.Size([target.shape[0], *out.shape[1:]]), out, target.start, target.stop)
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dim()
+            and out.shape[0] == target.stop - target.start
+        ):
+            return Rows(
+                torch.Size([target.shape[0], *out.shape[1:]]), out, target.start, target.stop
+            )
         raise NotReplayable(f"{func} gives a result that is not row-wise")
 
 
@@ -190,8 +263,9 @@ def _in_place(func: Any) -> bool:
     return func._schema.name.split("::")[-1].endswith("_")
 
 
-def build_local(build: Callable[[], nn.Module], shards: int, index: int
-                ) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+def build_local(
+    build: Callable[[], nn.Module], shards: int, index: int
+) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
     """Run `build` with large tensors holding only the rows of shard `index` of `shards`. Returns
     the model with meta tensors in place of its parameters and buffers (ready for fully_shard),
     and the values kept for them by name. Raises NotReplayable (for any failure: the eager build
@@ -207,8 +281,10 @@ def build_local(build: Callable[[], nn.Module], shards: int, index: int
     buffers = dict(model.named_buffers(remove_duplicate=False))
     large_buffers = [name for name, b in buffers.items() if isinstance(b, Rows)]
     if large_buffers:
-        raise NotReplayable(f"buffer {large_buffers[0]} is larger than {FULL_BYTES} bytes "
-                            f"(FSDP does not shard buffers)")
+        raise NotReplayable(
+            f"buffer {large_buffers[0]} is larger than {FULL_BYTES} bytes "
+            f"(FSDP does not shard buffers)"
+        )
     to_meta(model)
     return model, params, buffers
 
@@ -251,7 +327,8 @@ def to_meta(model: nn.Module) -> None:
             if id(param) not in replaced:
                 replaced[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                    requires_grad=param.requires_grad)
+                    requires_grad=param.requires_grad,
+                )
             module._parameters[name] = replaced[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_received: Optional[int] = None
+_received: int | None = None
 _received_at: float = 0.0
 
 
@@ -32,7 +31,7 @@ def uninstall() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def received() -> Optional[str]:
+def received() -> str | None:
     """The name of the first stop signal received, or None."""
     return signal.Signals(_received).name if _received is not None else None
 

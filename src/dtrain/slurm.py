@@ -11,7 +11,6 @@ import logging
 import re
 import subprocess
 import time
-from typing import Optional
 
 from dtrain import signals
 from dtrain.config import Config
@@ -24,8 +23,12 @@ SCONTROL_TIMEOUT_S = 30
 def job_fields(job_id: str) -> dict[str, str]:
     """`scontrol show job` as a mapping (JobState, EndTime, ...); empty when it cannot be read."""
     try:
-        proc = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], text=True,
-                              capture_output=True, timeout=SCONTROL_TIMEOUT_S)
+        proc = subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job_id],
+            text=True,
+            capture_output=True,
+            timeout=SCONTROL_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {}
     if proc.returncode != 0:
@@ -36,7 +39,7 @@ def job_fields(job_id: str) -> dict[str, str]:
     return fields
 
 
-def seconds_left(fields: dict[str, str], now: Optional[float] = None) -> Optional[float]:
+def seconds_left(fields: dict[str, str], now: float | None = None) -> float | None:
     """Seconds until the time limit of a running job; None without a limit, or once the job is
     ending (then EndTime is when it ended: a cancel or the limit, which SLURM does not tell apart
     while the job is COMPLETING)."""
@@ -49,7 +52,7 @@ def seconds_left(fields: dict[str, str], now: Optional[float] = None) -> Optiona
     return end - (time.time() if now is None else now)
 
 
-def check_grace(job_id: str, last_save_s: Optional[float]) -> None:
+def check_grace(job_id: str, last_save_s: float | None) -> None:
     """Before the preemption save: log whether it can finish before the job's time limit."""
     report = grace_report(job_id, seconds_left(job_fields(job_id)), last_save_s)
     if report is not None:
@@ -57,24 +60,30 @@ def check_grace(job_id: str, last_save_s: Optional[float]) -> None:
         log.log(level, message)
 
 
-def grace_report(job_id: str, left: Optional[float],
-                 last_save_s: Optional[float]) -> Optional[tuple[int, str]]:
+def grace_report(
+    job_id: str, left: float | None, last_save_s: float | None
+) -> tuple[int, str] | None:
     """The log level and message for `left` seconds to the time limit and a save that last
     took `last_save_s` (None: no save yet in this attempt); None for a job without a limit."""
     if left is None:
         return None
     if last_save_s is None:
-        return logging.INFO, (f"SLURM job {job_id}: {left:.0f} s left before its time limit; no "
-                              f"checkpoint was saved earlier in this attempt, so how long the "
-                              f"save takes is not known yet")
+        return logging.INFO, (
+            f"SLURM job {job_id}: {left:.0f} s left before its time limit; no "
+            f"checkpoint was saved earlier in this attempt, so how long the "
+            f"save takes is not known yet"
+        )
     if last_save_s >= left:
         return logging.WARNING, (
             f"SLURM job {job_id}: {left:.0f} s left before its time limit, but the last "
             f"checkpoint save took {last_save_s:.1f} s: this save will probably not finish "
             f"before SLURM stops the job (it waits only KillWait seconds after the limit); send "
-            f"the warning earlier, e.g. #SBATCH --signal=B:USR1@{_suggested_grace(last_save_s)}")
-    return logging.INFO, (f"SLURM job {job_id}: {left:.0f} s left before its time limit; the "
-                          f"last checkpoint save took {last_save_s:.1f} s")
+            f"the warning earlier, e.g. #SBATCH --signal=B:USR1@{_suggested_grace(last_save_s)}"
+        )
+    return logging.INFO, (
+        f"SLURM job {job_id}: {left:.0f} s left before its time limit; the "
+        f"last checkpoint save took {last_save_s:.1f} s"
+    )
 
 
 def _suggested_grace(save_s: float) -> int:
@@ -98,12 +107,16 @@ def after_preemption(cfg: Config, env: Env) -> None:
     if job_id is None:
         return
     if not cfg.slurm.requeue:
-        log.info(f"slurm.requeue is false: SLURM job {job_id} is not requeued; submit it again "
-                 f"to resume from the checkpoint")
+        log.info(
+            f"slurm.requeue is false: SLURM job {job_id} is not requeued; submit it again "
+            f"to resume from the checkpoint"
+        )
         return
     if state is not None and state != "RUNNING":
-        log.info(f"SLURM job {job_id} is already ending (state {state}: cancelled, or past its "
-                 f"time limit): not requeued; submit it again to resume from the checkpoint")
+        log.info(
+            f"SLURM job {job_id} is already ending (state {state}: cancelled, or past its "
+            f"time limit): not requeued; submit it again to resume from the checkpoint"
+        )
         return
     requeue(job_id)
 
@@ -112,8 +125,12 @@ def requeue(job_id: str) -> None:
     """`scontrol requeue`: SLURM stops what is left of the job and starts it again later."""
     log.info(f"requeueing SLURM job {job_id}; it resumes from this checkpoint when it starts again")
     try:
-        proc = subprocess.run(["scontrol", "requeue", job_id], text=True, capture_output=True,
-                              timeout=SCONTROL_TIMEOUT_S)
+        proc = subprocess.run(
+            ["scontrol", "requeue", job_id],
+            text=True,
+            capture_output=True,
+            timeout=SCONTROL_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning(f"could not requeue SLURM job {job_id} ({e}); submit it again to resume")
         return

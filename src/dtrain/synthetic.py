@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import torch
 
-CLASSES = ("circle", "square", "triangle", "ring", "plus", "h_stripes", "v_stripes",
-           "diagonal_stripes", "checkerboard", "x_cross")
+CLASSES = (
+    "circle",
+    "square",
+    "triangle",
+    "ring",
+    "plus",
+    "h_stripes",
+    "v_stripes",
+    "diagonal_stripes",
+    "checkerboard",
+    "x_cross",
+)
 IMAGE_SIZE = 32
 _SPLIT_SEEDS = {"train": 20240917, "val": 19730308}
 
@@ -43,8 +53,9 @@ def generate(count: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, labels
 
 
-def _shape(label: int, dx: torch.Tensor, dy: torch.Tensor, size: torch.Tensor,
-           period: torch.Tensor) -> torch.Tensor:
+def _shape(
+    label: int, dx: torch.Tensor, dy: torch.Tensor, size: torch.Tensor, period: torch.Tensor
+) -> torch.Tensor:
     adx, ady = dx.abs(), dy.abs()
     in_square = (adx < size) & (ady < size)
     distance = (dx * dx + dy * dy).sqrt()

@@ -27,7 +27,7 @@ counted once over all ranks. Optional members, used where present:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,7 @@ class Task(Protocol):
 # ---------------------------------------------------------------------------------------------
 # What a model returns
 
+
 def logits_of(output: Any) -> torch.Tensor:
     """The predictions in a model's output: the output itself, the first element of a tuple or
     list, `output["logits"]`, or `output.logits`."""
@@ -58,9 +59,11 @@ def logits_of(output: Any) -> torch.Tensor:
         return output["logits"]
     if hasattr(output, "logits"):
         return output.logits
-    raise UserError(f"task error: cannot find the predictions in the model's output "
-                    f"({type(output).__name__}): return a tensor, a tuple, or something with "
-                    f"'logits'")
+    raise UserError(
+        f"task error: cannot find the predictions in the model's output "
+        f"({type(output).__name__}): return a tensor, a tuple, or something with "
+        f"'logits'"
+    )
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -71,8 +74,10 @@ def loss_of(output: Any) -> torch.Tensor:
         return output.loss
     if isinstance(output, torch.Tensor):
         return output
-    raise UserError(f"task error: the model's output ({type(output).__name__}) has no loss: "
-                    f"return it as output['loss'] or output.loss")
+    raise UserError(
+        f"task error: the model's output ({type(output).__name__}) has no loss: "
+        f"return it as output['loss'] or output.loss"
+    )
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
@@ -82,6 +87,7 @@ def call(model: nn.Module, inputs: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # Built-in tasks
+
 
 class Classification:
     """(inputs, labels) batches; cross-entropy; reports val_loss and val_acc."""
@@ -95,8 +101,10 @@ class Classification:
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         inputs, labels = batch
         logits = logits_of(call(model, inputs)).float()
-        return {"loss": F.cross_entropy(logits, labels, reduction="none"),
-                "acc": (logits.argmax(dim=1) == labels).float()}
+        return {
+            "loss": F.cross_entropy(logits, labels, reduction="none"),
+            "acc": (logits.argmax(dim=1) == labels).float(),
+        }
 
     def example_input(self, info: dict[str, Any], batch_size: int) -> torch.Tensor:
         size = info["image_size"]
@@ -110,7 +118,7 @@ class LanguageModel:
 
     reported = ("loss", "perplexity", "bits_per_byte")
 
-    def __init__(self, seq_len: Optional[int] = None) -> None:
+    def __init__(self, seq_len: int | None = None) -> None:
         self.tokens_per_sample = seq_len
 
     @staticmethod
@@ -152,11 +160,14 @@ class ModelLoss:
         return {"loss": self.loss(model, batch).float().expand(batch_size(batch))}
 
 
-BUILTIN = {"classification": Classification, "language_model": LanguageModel,
-           "model_loss": ModelLoss}
+BUILTIN = {
+    "classification": Classification,
+    "language_model": LanguageModel,
+    "model_loss": ModelLoss,
+}
 
 
-def builtin_metrics(name: str) -> Optional[tuple[str, ...]]:
+def builtin_metrics(name: str) -> tuple[str, ...] | None:
     """The validation metrics a built-in task reports (`val_<name>`), or None for a user's."""
     task = BUILTIN.get(name)
     return tuple(f"val_{m}" for m in task.reported) if task is not None else None
@@ -168,12 +179,16 @@ def build(cfg: TaskConfig, info: dict[str, Any]) -> Task:
         task = load_callable(cfg.name, "task.name")(cfg)
         missing = [m for m in ("loss", "metrics") if not callable(getattr(task, m, None))]
         if missing:
-            raise UserError(f"config error: task.name: {cfg.name} returned {type(task).__name__}, "
-                            f"which has no {' or '.join(missing)}(model, batch) method")
+            raise UserError(
+                f"config error: task.name: {cfg.name} returned {type(task).__name__}, "
+                f"which has no {' or '.join(missing)}(model, batch) method"
+            )
         return task
     if cfg.name not in BUILTIN:
-        raise UserError(f"config error: task.name: unknown task '{cfg.name}'; use one of "
-                        f"{', '.join(BUILTIN)} or module:function")
+        raise UserError(
+            f"config error: task.name: unknown task '{cfg.name}'; use one of "
+            f"{', '.join(BUILTIN)} or module:function"
+        )
     args = dict(cfg.args)
     if cfg.name == "language_model":
         args.setdefault("seq_len", info.get("seq_len"))
@@ -185,6 +200,7 @@ def build(cfg: TaskConfig, info: dict[str, Any]) -> Task:
 
 # ---------------------------------------------------------------------------------------------
 # Batches
+
 
 def batch_size(batch: Any) -> int:
     """The leading dimension of the first tensor in a batch (tensors, tuples, lists, dicts)."""
@@ -202,7 +218,7 @@ def leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
-def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> Optional[str]:
+def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
     """Try the task once on a batch (evaluation mode, no gradients: nothing changes): the loss
     must be a scalar, the metrics per-sample, and `monitor` among what it reports. Returns the
     problem as one line, or None."""
@@ -216,27 +232,35 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> Optional[st
         raise
     except Exception as e:  # noqa: BLE001 - the model, data and task do not fit together
         first = (str(e).strip().splitlines() or [""])[0]
-        return (f"task error: the {type(task).__name__} task failed on a validation batch: "
-                f"{type(e).__name__}: {first} (do the model's outputs fit the data, e.g. "
-                f"model.num_classes?)")
+        return (
+            f"task error: the {type(task).__name__} task failed on a validation batch: "
+            f"{type(e).__name__}: {first} (do the model's outputs fit the data, e.g. "
+            f"model.num_classes?)"
+        )
     finally:
         model.train(was_training)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        return (f"task error: loss(model, batch) returned {shape}, not a scalar tensor; reduce "
-                f"it to one number (e.g. .mean())")
+        return (
+            f"task error: loss(model, batch) returned {shape}, not a scalar tensor; reduce "
+            f"it to one number (e.g. .mean())"
+        )
     size = batch_size(batch)
     if not isinstance(values, dict) or not values:
         return "task error: metrics(model, batch) must return a non-empty dict of name -> tensor"
     for name, value in values.items():
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (size,):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            return (f"task error: metrics(model, batch)['{name}'] has shape {shape}; metrics "
-                    f"must be per-sample, of shape ({size},) for this batch")
+            return (
+                f"task error: metrics(model, batch)['{name}'] has shape {shape}; metrics "
+                f"must be per-sample, of shape ({size},) for this batch"
+            )
     reported = reported_metrics(task, values)
     if monitor not in reported:
-        return (f"config error: ckpt.monitor: '{monitor}' is not reported by the task; it "
-                f"reports {', '.join(reported)}")
+        return (
+            f"config error: ckpt.monitor: '{monitor}' is not reported by the task; it "
+            f"reports {', '.join(reported)}"
+        )
     return None
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,12 +31,13 @@ from dtrain.tasks import Task, batch_size
 @dataclass
 class TrainState:
     """Where the run is. `samples_in_epoch` counts samples consumed by all ranks together."""
+
     epoch: int = 0
     step: int = 0
     samples_in_epoch: int = 0
     consecutive_skips: int = 0
     skipped_steps: int = 0
-    best_metric: Optional[float] = None
+    best_metric: float | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
 
 
@@ -50,10 +52,11 @@ class Callbacks:
     - `before_stop_save(last_save_s)`: before the checkpoint of a stop signal, with how long the
       last save took (None before the first): under SLURM, whether it fits the time left.
     """
+
     first_step: Callable[[], dict[str, Any]] = lambda: {}
     step_end: Callable[[], None] = lambda: None
     saved: Callable[[TrainState], None] = lambda state: None
-    before_stop_save: Callable[[Optional[float]], None] = lambda last_save_s: None
+    before_stop_save: Callable[[float | None], None] = lambda last_save_s: None
 
 
 @dataclass
@@ -63,11 +66,24 @@ class StepTimes:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
-                 schedule: LRSchedule, scaler: Optional[Any], loaders: tuple,
-                 device: torch.device, is_fsdp: bool, run_log: RunLog, checkpoints: Any,
-                 state: TrainState, callbacks: Callbacks, throughput: Throughput,
-                 datasets: Datasets) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        task: Task,
+        optimizer: torch.optim.Optimizer,
+        schedule: LRSchedule,
+        scaler: Any | None,
+        loaders: tuple,
+        device: torch.device,
+        is_fsdp: bool,
+        run_log: RunLog,
+        checkpoints: Any,
+        state: TrainState,
+        callbacks: Callbacks,
+        throughput: Throughput,
+        datasets: Datasets,
+    ) -> None:
         self.cfg, self.model, self.task, self.optimizer = cfg, model, task, optimizer
         self.schedule, self.scaler = schedule, scaler
         self.callbacks, self.throughput = callbacks, throughput
@@ -82,10 +98,10 @@ class Trainer:
         self.masked_step = scaler is None and masked_step_supported(optimizer)
         self.pending = _Pending(cfg.train.check_every_steps, device)
         self.window = _Window()
-        self.stop_requested: Optional[str] = None
+        self.stop_requested: str | None = None
         self._first_step_done = False
         self._pending_record: dict[str, Any] = {}
-        self.last_save_s: Optional[float] = None
+        self.last_save_s: float | None = None
 
     # -----------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -132,8 +148,10 @@ class Trainer:
                     self._save()
         self._check()
         if self.stop_requested:
-            log.info(f"stop requested ({self.stop_requested}) at step {state.step}: saving a "
-                     f"checkpoint and exiting")
+            log.info(
+                f"stop requested ({self.stop_requested}) at step {state.step}: saving a "
+                f"checkpoint and exiting"
+            )
             self.callbacks.before_stop_save(self.last_save_s)
             if self.checkpoints.last_saved_step != state.step:  # (a save's check may have seen it)
                 self._save()
@@ -174,8 +192,11 @@ class Trainer:
         # a non-finite loss makes them so). The norm is global (DDP averaged the gradients,
         # FSDP's is reduced over the shards): every rank reaches the same verdict. Under fp16
         # the grad scaler decides (an overflow lowers the scale) instead.
-        skip = ~torch.isfinite(norm) if self.scaler is None else torch.zeros((), dtype=torch.bool,
-                                                                              device=self.device)
+        skip = (
+            ~torch.isfinite(norm)
+            if self.scaler is None
+            else torch.zeros((), dtype=torch.bool, device=self.device)
+        )
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -222,16 +243,22 @@ class Trainer:
             state.consecutive_skips = 0
             return
         if train.nan_policy == "stop":
-            raise TrainingStopped(f"non-finite loss or gradients at step {step}; stopping "
-                                  f"(train.nan_policy=stop); the last good checkpoint is kept")
+            raise TrainingStopped(
+                f"non-finite loss or gradients at step {step}; stopping "
+                f"(train.nan_policy=stop); the last good checkpoint is kept"
+            )
         state.consecutive_skips += 1
         state.skipped_steps += 1
-        log.warning(f"step {step}: non-finite loss or gradients, optimizer step skipped "
-                    f"({state.consecutive_skips} in a row, {state.skipped_steps} in all)")
+        log.warning(
+            f"step {step}: non-finite loss or gradients, optimizer step skipped "
+            f"({state.consecutive_skips} in a row, {state.skipped_steps} in all)"
+        )
         if state.consecutive_skips > train.max_consecutive_skips:
-            raise TrainingStopped(f"{state.consecutive_skips} non-finite steps in a row at step "
-                                  f"{step}, more than train.max_consecutive_skips="
-                                  f"{train.max_consecutive_skips}; stopping")
+            raise TrainingStopped(
+                f"{state.consecutive_skips} non-finite steps in a row at step "
+                f"{step}, more than train.max_consecutive_skips="
+                f"{train.max_consecutive_skips}; stopping"
+            )
 
     def _to_device(self, batch: Any) -> Any:
         return to_device(batch, self.device, self.datasets.on_device, self.cfg.model.channels_last)
@@ -275,7 +302,7 @@ class Trainer:
         self._consistent_buffers()
         model.eval()
         names: list[str] = []
-        sums: Optional[torch.Tensor] = None  # one per metric, then the count of samples
+        sums: torch.Tensor | None = None  # one per metric, then the count of samples
         position = 0  # this rank's sample number; the padding beyond valid_count is ignored
         for batch in self.val_loader:
             batch = self._to_device(batch)
@@ -285,8 +312,10 @@ class Trainer:
                 names = list(values)
                 sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
             size = batch_size(batch)
-            valid = torch.arange(position, position + size, device=self.device) < \
-                self.val_sampler.valid_count
+            valid = (
+                torch.arange(position, position + size, device=self.device)
+                < self.val_sampler.valid_count
+            )
             position += size
             for i, name in enumerate(names):
                 sums[i] += torch.where(valid, values[name].double(), 0.0).sum()
@@ -294,7 +323,7 @@ class Trainer:
         assert sums is not None  # the loaders refuse an empty validation set
         dist.all_reduce_sum(sums)
         *totals, count = sums.tolist()
-        means = {name: total / count for name, total in zip(names, totals)}
+        means = {name: total / count for name, total in zip(names, totals, strict=False)}
         summarize = getattr(self.task, "summarize", None)
         if summarize is not None:
             means.update(summarize(dict(means)))
@@ -326,8 +355,10 @@ class Trainer:
         self._check()  # the non-finite policy first: a checkpoint never follows a bad step unseen
         self._consistent_buffers()
         if dist.any_rank(not _all_finite(self.model), self.device):
-            raise TrainingStopped(f"the weights are not finite at step {self.state.step}; not "
-                                  f"saving them (the last good checkpoint is kept)")
+            raise TrainingStopped(
+                f"the weights are not finite at step {self.state.step}; not "
+                f"saving them (the last good checkpoint is kept)"
+            )
         self.checkpoints.save(self.state)
         self.last_save_s = time.perf_counter() - started
         self.callbacks.saved(self.state)
@@ -348,9 +379,14 @@ class Trainer:
             return
         window = self.window
         samples_per_s = window.samples_per_s()
-        record = {"step": state.step, "epoch": state.epoch, "loss": window.mean_loss(),
-                  "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": samples_per_s,
-                  **self.throughput.figures(samples_per_s)}
+        record = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": window.mean_loss(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples_per_s,
+            **self.throughput.figures(samples_per_s),
+        }
         if window.grad_norm is not None:
             record["grad_norm"] = window.grad_norm
         if at_log_step:
@@ -360,8 +396,9 @@ class Trainer:
             record.update(self._pending_record)
             replaced = self.datasets.replaced()  # the same None or not on every rank
             if replaced is not None:
-                total = int(dist.all_reduce_sum(torch.tensor([float(replaced)],
-                                                             device=self.device)).item())
+                total = int(
+                    dist.all_reduce_sum(torch.tensor([float(replaced)], device=self.device)).item()
+                )
                 if total:
                     record["bad_samples_replaced"] = total
             self._pending_record = {}
@@ -393,7 +430,7 @@ class _Pending:
         self.device = device
         self.loss = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count
         self.skipped = torch.zeros(size, dtype=torch.bool, device=device)
-        self.norm: Optional[torch.Tensor] = None
+        self.norm: torch.Tensor | None = None
         self.steps = 0
 
     def add(self, loss: torch.Tensor, skip: torch.Tensor, norm: torch.Tensor) -> None:
@@ -405,15 +442,19 @@ class _Pending:
         self.norm = norm
         self.steps += 1
 
-    def read(self, stop_flag: float) -> tuple[float, float, bool, list[bool], Optional[float]]:
+    def read(self, stop_flag: float) -> tuple[float, float, bool, list[bool], float | None]:
         """(loss sum and count over all ranks, any rank's stop flag, each pending step's
         verdict, the last norm), in one all-reduce and one read; then empty."""
-        norm = self.norm.float().view(1).double() if self.norm is not None else \
-            torch.zeros(1, dtype=torch.float64, device=self.device)
-        shared = torch.cat([self.loss, torch.tensor([stop_flag], dtype=torch.float64,
-                                                     device=self.device)])
+        norm = (
+            self.norm.float().view(1).double()
+            if self.norm is not None
+            else torch.zeros(1, dtype=torch.float64, device=self.device)
+        )
+        shared = torch.cat(
+            [self.loss, torch.tensor([stop_flag], dtype=torch.float64, device=self.device)]
+        )
         dist.all_reduce_sum(shared)
-        values = torch.cat([shared, norm, self.skipped[:self.steps].double()]).tolist()
+        values = torch.cat([shared, norm, self.skipped[: self.steps].double()]).tolist()
         loss_sum, loss_count, stop, last_norm = values[:4]
         skipped = [v > 0 for v in values[4:]]
         had_norm = self.norm is not None
@@ -431,7 +472,7 @@ def _all_finite(model: nn.Module) -> bool:
     return not local or bool(torch.isfinite(nn.utils.get_total_norm(local, norm_type=math.inf)))
 
 
-def _improves(value: float, best: Optional[float], mode: str) -> bool:
+def _improves(value: float, best: float | None, mode: str) -> bool:
     return best is None or (value > best if mode == "max" else value < best)
 
 
@@ -444,7 +485,7 @@ class _Window:
     def reset(self) -> None:
         self.loss_sum = 0.0
         self.loss_count = 0.0
-        self.grad_norm: Optional[float] = None
+        self.grad_norm: float | None = None
         self.steps = 0
         self.samples = 0
         self.step_time = 0.0

@@ -20,8 +20,9 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,17 +30,43 @@ from torch import nn
 import dtrain
 from dtrain import dist
 from dtrain.checkpoint import state as ckpt_state
-from dtrain.checkpoint.state import (DCP_DIR, FULL_FILE, META_FILE, FORMAT_VERSION, first_line,
-                                     load_file)
-from dtrain.checkpoint.store import (LATEST, MARKER, Entry, Store, checkpoint_name, file_sizes,
-                                     read_marker, verify_files)
+from dtrain.checkpoint.state import (
+    DCP_DIR,
+    FORMAT_VERSION,
+    FULL_FILE,
+    META_FILE,
+    first_line,
+    load_file,
+)
+from dtrain.checkpoint.store import (
+    LATEST,
+    MARKER,
+    Entry,
+    Store,
+    checkpoint_name,
+    file_sizes,
+    read_marker,
+    verify_files,
+)
 from dtrain.config import Config, to_dict, training_differences
 from dtrain.errors import UserError
 from dtrain.observe import log
 from dtrain.parallel import unwrap
 
-__all__ = ["CheckpointError", "Checkpointer", "ConfigChanged", "open_checkpoint", "load_file",
-           "DCP_DIR", "FULL_FILE", "META_FILE", "LATEST", "MARKER", "Store", "read_marker"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigChanged",
+    "open_checkpoint",
+    "load_file",
+    "DCP_DIR",
+    "FULL_FILE",
+    "META_FILE",
+    "LATEST",
+    "MARKER",
+    "Store",
+    "read_marker",
+]
 
 
 class CheckpointError(Exception):
@@ -75,40 +102,53 @@ def _error_of_save(error: BaseException, name: str, folder: str, needed: int) ->
     causes = [c[0] if isinstance(c, tuple) else c for c in causes]
     # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
     if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes) or free < needed:
-        return CheckpointError(f"checkpoint error: disk full while saving {name}: it needs about "
-                               f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {folder}; "
-                               f"the previous checkpoint is kept")
+        return CheckpointError(
+            f"checkpoint error: disk full while saving {name}: it needs about "
+            f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {folder}; "
+            f"the previous checkpoint is kept"
+        )
     os_error = next((c for c in causes if isinstance(c, OSError)), None)
     reason = str(os_error) if os_error is not None else first_line(error)
-    return CheckpointError(f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
-                           f"previous checkpoint is kept")
+    return CheckpointError(
+        f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
+        f"previous checkpoint is kept"
+    )
 
 
 class Checkpointer:
     """Saves and restores everything a run needs to continue exactly."""
 
-    def __init__(self, cfg: Config, store: Store, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra_state: Callable[[], dict[str, Any]],
-                 load_extra_state: Callable[[dict[str, Any]], None],
-                 device: torch.device, is_fsdp: bool, model_info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra_state: Callable[[], dict[str, Any]],
+        load_extra_state: Callable[[dict[str, Any]], None],
+        device: torch.device,
+        is_fsdp: bool,
+        model_info: dict[str, Any],
+    ) -> None:
         self.cfg, self.store, self.model, self.optimizer = cfg, store, model, optimizer
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
         self.extra_state, self.load_extra_state = extra_state, load_extra_state
         self.device = device
         fmt = cfg.ckpt.format
         self.format = fmt if fmt != "auto" else ("sharded" if is_fsdp else "full")
-        self.last_saved_step: Optional[int] = None
+        self.last_saved_step: int | None = None
         self.config_changes: list[str] = []  # training keys changed since the resumed checkpoint
-        self.superseded: Optional[str] = None  # where an abandoned history was moved
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._resumed: Optional[dict[str, Any]] = None
+        self.superseded: str | None = None  # where an abandoned history was moved
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._resumed: dict[str, Any] | None = None
         # Background saves run their collectives on a group of their own, so that they never
         # interleave with the training collectives on the default group.
         self._save_group = None
         self._save_device = device
         if cfg.ckpt.async_ and dist.is_distributed():
             import torch.distributed as torch_dist
+
             self._save_group = torch_dist.new_group(backend="gloo")
             self._save_device = torch.device("cpu")
         # The model's keys and full shapes, to refuse a checkpoint of another model up front.
@@ -116,7 +156,7 @@ class Checkpointer:
         # state-dict API uses; importing that API costs half a second, not to be paid before
         # the first step of a fresh start.)
         self._shapes = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
-        self._full_data: Optional[dict[str, Any]] = None
+        self._full_data: dict[str, Any] | None = None
         if dist.is_main():
             store.prepare()
         dist.barrier()
@@ -125,11 +165,17 @@ class Checkpointer:
     def save(self, state: Any) -> None:
         """Save at the current step. With ckpt.async the write continues in the background."""
         self.wait()
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         ckpt = self.cfg.ckpt
         # Only a checkpoint of the evaluated weights carries the metric (and competes for best).
-        value = state.last_eval.get(ckpt.monitor) if state.last_eval.get("step") == state.step else None
+        value = (
+            state.last_eval.get(ckpt.monitor) if state.last_eval.get("step") == state.step else None
+        )
         name = checkpoint_name(state.step, state.epoch, ckpt.monitor, value)
         tmp = dist.on_main(lambda: self.store.begin(name))
         meta = {
@@ -144,16 +190,25 @@ class Checkpointer:
             "metrics": dict(state.last_eval),
             "versions": {"dtrain": dtrain.__version__, "torch": str(torch.__version__)},
         }
-        marker = {"step": state.step, "epoch": state.epoch, "format": self.format,
-                  "world_size": dist.world_size(), "metric": ckpt.monitor, "value": value}
+        marker = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "format": self.format,
+            "world_size": dist.world_size(),
+            "metric": ckpt.monitor,
+            "value": value,
+        }
         if self.format == "full":
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            payload = {"model": get_model_state_dict(self.model, options=options),
-                       "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
-                                                             options=options)}
+            payload = {
+                "model": get_model_state_dict(self.model, options=options),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            }
         else:
-            payload = {"model": get_model_state_dict(self.model),
-                       "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            payload = {
+                "model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            }
         self.last_saved_step = state.step
         if not ckpt.async_:
             self._write(name, tmp, payload, meta, marker, pending=None)
@@ -164,17 +219,26 @@ class Checkpointer:
         else:
             pending = self._start_sharded_async(tmp, payload)
         meta = ckpt_state.cpu_copy(meta)
-        self._thread = threading.Thread(target=self._write_guarded, name="dtrain-checkpoint",
-                                        args=(name, tmp, payload, meta, marker, pending), daemon=True)
+        self._thread = threading.Thread(
+            target=self._write_guarded,
+            name="dtrain-checkpoint",
+            args=(name, tmp, payload, meta, marker, pending),
+            daemon=True,
+        )
         self._thread.start()
 
     def _start_sharded_async(self, tmp: str, payload: dict) -> Any:
         """DCP's asynchronous save: the shards are copied to CPU memory now (pinned on CUDA),
         and written by DCP's own thread; returns its future."""
         import torch.distributed.checkpoint as dcp
+
         writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
-        return dcp.async_save(payload, storage_writer=writer, process_group=self._save_group,
-                              no_dist=not dist.is_distributed())
+        return dcp.async_save(
+            payload,
+            storage_writer=writer,
+            process_group=self._save_group,
+            no_dist=not dist.is_distributed(),
+        )
 
     def _write_guarded(self, *args: Any) -> None:
         try:
@@ -182,11 +246,12 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
             self._error = e
 
-    def _write(self, name: str, tmp: str, payload: dict, meta: dict, marker: dict,
-               pending: Any) -> None:
+    def _write(
+        self, name: str, tmp: str, payload: dict, meta: dict, marker: dict, pending: Any
+    ) -> None:
         """Write the files, publish on rank 0, and let no rank go on before it is published."""
         group = self._save_group if self.cfg.ckpt.async_ else None
-        error: Optional[CheckpointError] = None
+        error: CheckpointError | None = None
         needed = ckpt_state.tensor_bytes(payload) + ckpt_state.tensor_bytes(meta)
         own_files: dict[str, int] = {}
         try:
@@ -209,19 +274,31 @@ class Checkpointer:
         if dist.any_rank(error is not None, self._save_device, group):
             if dist.is_main():
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise error or CheckpointError(f"checkpoint error: saving {name} failed on another "
-                                           f"rank; the previous checkpoint is kept")
+            raise error or CheckpointError(
+                f"checkpoint error: saving {name} failed on another "
+                f"rank; the previous checkpoint is kept"
+            )
 
     @staticmethod
     def _own_shard_files(tmp: str) -> dict[str, int]:
         """The DCP files this rank wrote (DCP names them __<rank>_<n>.distcp), with their sizes."""
         folder = os.path.join(tmp, DCP_DIR)
         prefix = f"__{dist.rank()}_"
-        return {os.path.join(DCP_DIR, n): os.path.getsize(os.path.join(folder, n))
-                for n in os.listdir(folder) if n.startswith(prefix)}
+        return {
+            os.path.join(DCP_DIR, n): os.path.getsize(os.path.join(folder, n))
+            for n in os.listdir(folder)
+            if n.startswith(prefix)
+        }
 
-    def _publish(self, name: str, tmp: str, payload: dict, meta: dict, marker: dict,
-                 reports: list[dict[str, int]]) -> None:
+    def _publish(
+        self,
+        name: str,
+        tmp: str,
+        payload: dict,
+        meta: dict,
+        marker: dict,
+        reports: list[dict[str, int]],
+    ) -> None:
         """Rank 0, after every shard is on disk: the rest of the files, then the marker listing
         every rank's files, `latest`, and rotation."""
         if self.format == "full":
@@ -246,8 +323,8 @@ class Checkpointer:
             raise error
 
     # -- resuming -------------------------------------------------------------------------------
-    def resume(self) -> Optional[dict[str, Any]]:
-        """Load what `ckpt.resume` names; returns the train state dict, or None for a fresh start."""
+    def resume(self) -> dict[str, Any] | None:
+        """Load what `ckpt.resume` names: the train state dict, or None for a fresh start."""
         choice = self.cfg.ckpt.resume
         if choice == "none":
             self._supersede(lambda entries: entries, "fresh start (ckpt.resume=none)", records=True)
@@ -261,17 +338,24 @@ class Checkpointer:
             problem = self._try_load(path)
             if problem is None:
                 if failed:
-                    log.warning(f"newest checkpoint {os.path.basename(failed[0])} is unusable; "
-                                f"resumed from the previous good one, {os.path.basename(path)}")
-                    self._supersede(lambda entries: [e for e in entries if e.path in failed],
-                                    "unusable checkpoints")
+                    log.warning(
+                        f"newest checkpoint {os.path.basename(failed[0])} is unusable; "
+                        f"resumed from the previous good one, {os.path.basename(path)}"
+                    )
+                    self._supersede(
+                        lambda entries: [e for e in entries if e.path in failed],
+                        "unusable checkpoints",
+                    )
                 return self._resumed
-            log.warning(f"checkpoint {os.path.basename(path)} is unusable ({problem}); trying an "
-                        f"older one")
+            log.warning(
+                f"checkpoint {os.path.basename(path)} is unusable ({problem}); trying an older one"
+            )
             failed.append(path)
         if failed:
-            log.warning(f"no usable checkpoint in {self.store.dir} "
-                        f"({', '.join(map(os.path.basename, failed))} unusable): fresh start")
+            log.warning(
+                f"no usable checkpoint in {self.store.dir} "
+                f"({', '.join(map(os.path.basename, failed))} unusable): fresh start"
+            )
             self._supersede(lambda entries: entries, "unusable checkpoints", records=True)
             # Reading an optimizer's state dict creates its state (torch takes a step with zero
             # gradients and lr 0: momentum buffers, Adam's step count). A fresh start needs none.
@@ -284,7 +368,7 @@ class Checkpointer:
         """`ckpt.resume: PATH`: that checkpoint or exit 2. A checkpoint of this run directory
         that is not the newest is a rewind: the ones saved after it are moved aside; one of
         another directory starts a new history here."""
-        path = choice[:-len(FULL_FILE) - 1] if choice.endswith(FULL_FILE) else choice
+        path = choice[: -len(FULL_FILE) - 1] if choice.endswith(FULL_FILE) else choice
         if not os.path.exists(path):
             raise UserError(f"checkpoint error: ckpt.resume: {choice} not found")
         problem = self._try_load(path)
@@ -292,25 +376,33 @@ class Checkpointer:
             raise UserError(f"checkpoint error: ckpt.resume: {problem}")
         own = dist.on_main(lambda: self.store.find(path) is not None)
         if own:
+
             def newer(entries: list[Entry]) -> list[Entry]:
                 chosen = self.store.find(path)
                 return [e for e in entries if chosen is not None and e.seq > chosen.seq]
+
             self._supersede(newer, f"rewound to {os.path.basename(os.path.normpath(path))}")
         else:
-            self._supersede(lambda entries: entries, f"resumed from {path}, a checkpoint of "
-                            f"another run directory", records=True)
+            self._supersede(
+                lambda entries: entries,
+                f"resumed from {path}, a checkpoint of another run directory",
+                records=True,
+            )
         assert self._resumed is not None
         return self._resumed
 
-    def _supersede(self, pick: Callable[[list[Entry]], list[Entry]], reason: str,
-                   records: bool = False) -> None:
+    def _supersede(
+        self, pick: Callable[[list[Entry]], list[Entry]], reason: str, records: bool = False
+    ) -> None:
         """Rank 0 moves the checkpoints `pick` chooses (and with `records` the run's records)
         aside; every rank learns where they went."""
-        def move() -> Optional[str]:
+
+        def move() -> str | None:
             return self.store.supersede(pick(self.store.complete()), reason, records)
+
         self.superseded = dist.on_main(move) or self.superseded
 
-    def _try_load(self, path: str) -> Optional[str]:
+    def _try_load(self, path: str) -> str | None:
         """Load the checkpoint at `path` on every rank; None on success, else the reason. Every
         rank reaches the same verdict. A config that trains something else is not a reason to
         try an older checkpoint: it ends the start with exit 2."""
@@ -327,6 +419,7 @@ class Checkpointer:
 
     def _load(self, path: str) -> None:
         """Read the checkpoint, check it against the model and the config, then apply it."""
+
         def read() -> tuple[str, str, dict[str, Any]]:
             folder, fmt = open_checkpoint(path)
             if fmt == "full":
@@ -354,14 +447,19 @@ class Checkpointer:
         changes = training_differences(meta.get("config", {}), to_dict(self.cfg))
         if not changes:
             return
-        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        shown = "; ".join(changes[:6]) + (
+            f"; and {len(changes) - 6} more" if len(changes) > 6 else ""
+        )
         if self.cfg.ckpt.resume_config_change != "allow":
-            raise ConfigChanged(f"checkpoint error: {folder} was saved by a config that trains "
-                                f"something else ({shown}); to continue it on purpose set "
-                                f"ckpt.resume_config_change=allow, or start anew with "
-                                f"ckpt.resume=none or another run.name")
-        log.warning(f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): "
-                    f"{shown}")
+            raise ConfigChanged(
+                f"checkpoint error: {folder} was saved by a config that trains "
+                f"something else ({shown}); to continue it on purpose set "
+                f"ckpt.resume_config_change=allow, or start anew with "
+                f"ckpt.resume=none or another run.name"
+            )
+        log.warning(
+            f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): {shown}"
+        )
         self.config_changes = changes
 
     def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
@@ -372,8 +470,12 @@ class Checkpointer:
 
     def _apply_full(self, folder: str) -> None:
         """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         data = self._full_data or {"model": {}, "optimizer": {}}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
         try:
@@ -384,12 +486,17 @@ class Checkpointer:
 
     def _apply_sharded(self, folder: str) -> None:
         """Read every shard into new tensors first; apply them only when all were read."""
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict,
-                                                             set_model_state_dict,
-                                                             set_optimizer_state_dict)
-        staged = {"model": _empty_like(get_model_state_dict(self.model)),
-                  "optimizer": _empty_like(get_optimizer_state_dict(self.model, self.optimizer))}
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        staged = {
+            "model": _empty_like(get_model_state_dict(self.model)),
+            "optimizer": _empty_like(get_optimizer_state_dict(self.model, self.optimizer)),
+        }
         ckpt_state.read_sharded(folder, staged)
         set_model_state_dict(self.model, staged["model"])
         set_optimizer_state_dict(self.model, self.optimizer, staged["optimizer"])
@@ -399,15 +506,20 @@ class Checkpointer:
         if saved_world == dist.world_size():
             ckpt_state.set_rng_state(meta["rng"][dist.rank()], self.device)
         else:
-            log.warning(f"world size changed from {saved_world} to {dist.world_size()}: resuming "
-                        f"at the same sample of the epoch; random states are re-seeded")
-            ckpt_state.reseed(self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1)
-                              + dist.rank())
+            log.warning(
+                f"world size changed from {saved_world} to {dist.world_size()}: resuming "
+                f"at the same sample of the epoch; random states are re-seeded"
+            )
+            ckpt_state.reseed(
+                self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1) + dist.rank()
+            )
         self.load_extra_state(meta["extra"])
         self._resumed = dict(meta["train_state"], world_size=saved_world, path=folder)
         self.last_saved_step = meta["train_state"]["step"]
-        log.info(f"resumed from {folder} (step {meta['train_state']['step']}, "
-                 f"epoch {meta['train_state']['epoch']})")
+        log.info(
+            f"resumed from {folder} (step {meta['train_state']['step']}, "
+            f"epoch {meta['train_state']['epoch']})"
+        )
 
 
 def _empty_like(obj: Any) -> Any:

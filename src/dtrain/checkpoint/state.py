@@ -13,7 +13,7 @@ import io
 import os
 import pickle
 import random
-from typing import Any, Optional
+from typing import Any
 
 import numpy
 import torch
@@ -34,12 +34,18 @@ def first_line(error: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 # RNG states, stored as tensors, ints and strings so that weights_only loading accepts them
 
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     np_state = numpy.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(numpy.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(numpy.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -51,8 +57,15 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     np_state = state["numpy"]
-    numpy.random.set_state((np_state["name"], np_state["keys"].numpy().astype(numpy.uint32),
-                            np_state["pos"], np_state["has_gauss"], np_state["gauss"]))
+    numpy.random.set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(numpy.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["gauss"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -64,24 +77,30 @@ def reseed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def shape_mismatch(ours: dict[str, tuple], theirs: dict[str, tuple], strict: bool = True
-                   ) -> Optional[str]:
+def shape_mismatch(
+    ours: dict[str, tuple], theirs: dict[str, tuple], strict: bool = True
+) -> str | None:
     """What keeps weights named and shaped as `theirs` from loading into a model with `ours`
     (None when they fit): keys missing or unexpected (only when `strict`), or a different shape."""
     missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
     if strict and (missing or unexpected):
-        return (f"checkpoint is from a different model: {len(missing)} key(s) missing (e.g. "
-                f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+        return (
+            f"checkpoint is from a different model: {len(missing)} key(s) missing (e.g. "
+            f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
     wrong = [k for k in sorted(ours.keys() & theirs.keys()) if tuple(ours[k]) != tuple(theirs[k])]
     if wrong:
-        return (f"checkpoint is from a different model: {wrong[0]} has shape "
-                f"{list(theirs[wrong[0]])} there, {list(ours[wrong[0]])} here "
-                f"({len(wrong)} such key(s))")
+        return (
+            f"checkpoint is from a different model: {wrong[0]} has shape "
+            f"{list(theirs[wrong[0]])} there, {list(ours[wrong[0]])} here "
+            f"({len(wrong)} such key(s))"
+        )
     return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading files
+
 
 def load_file(path: str, mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True and errors a user can act on. With `mmap`, tensors are
@@ -92,10 +111,13 @@ def load_file(path: str, mmap: bool = False) -> dict[str, Any]:
         raise UserError(f"checkpoint error: {path} not found") from None
     except Exception as e:  # noqa: BLE001 - any failure here means "not a usable checkpoint"
         if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise UserError(f"checkpoint error: {path} holds objects that need arbitrary "
-                            f"unpickling; refused (weights_only=True): {first_line(e)}") from None
-        raise UserError(f"checkpoint error: {path} is corrupt or not a checkpoint: "
-                        f"{first_line(e)}") from None
+            raise UserError(
+                f"checkpoint error: {path} holds objects that need arbitrary "
+                f"unpickling; refused (weights_only=True): {first_line(e)}"
+            ) from None
+        raise UserError(
+            f"checkpoint error: {path} is corrupt or not a checkpoint: {first_line(e)}"
+        ) from None
 
 
 def _allowed_global(module: str, name: str) -> bool:
@@ -103,11 +125,17 @@ def _allowed_global(module: str, name: str) -> bool:
     dtypes and layouts, paths and plain containers. Nothing that runs code."""
     if module == "torch.distributed.checkpoint.metadata":
         return True
-    if (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                          ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                          ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                          ("collections", "OrderedDict"), ("builtins", "set"),
-                          ("builtins", "frozenset"), ("builtins", "slice")}:
+    if (module, name) in {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }:
         return True
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
@@ -145,7 +173,10 @@ def safe_planner() -> Any:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+
+                set_element(
+                    self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
+                )
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -157,10 +188,16 @@ def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) 
     including DCP's CheckpointException (a BaseException), becomes a UserError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
     path = os.path.join(folder, DCP_DIR)
     try:
-        dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(),
-                 process_group=process_group, no_dist=not _distributed())
+        dcp.load(
+            state,
+            storage_reader=safe_reader(path),
+            planner=safe_planner(),
+            process_group=process_group,
+            no_dist=not _distributed(),
+        )
     except (CheckpointException, Exception) as e:  # noqa: BLE001 - any failure: unusable
         raise UserError(f"checkpoint error: {path} is unreadable: {_dcp_reason(e)}") from None
 
@@ -180,23 +217,26 @@ def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
     try:
         metadata = safe_reader(os.path.join(folder, DCP_DIR)).read_metadata()
     except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
-        raise UserError(f"checkpoint error: {folder}: its DCP metadata is unreadable: "
-                        f"{first_line(e)}") from None
+        raise UserError(
+            f"checkpoint error: {folder}: its DCP metadata is unreadable: {first_line(e)}"
+        ) from None
     shapes = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(item, "size"):
-            shapes[key[len("model."):]] = tuple(item.size)
+            shapes[key[len("model.") :]] = tuple(item.size)
     return shapes
 
 
 def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
+
     writer = dcp.FileSystemWriter(os.path.join(folder, DCP_DIR), sync_files=True)
     dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not _distributed())
 
 
 def _distributed() -> bool:
     import torch.distributed as torch_dist
+
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 

@@ -32,7 +32,7 @@ import shutil
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from dtrain import dist
 from dtrain.errors import UserError
@@ -51,6 +51,7 @@ _LEGACY_NAME = re.compile(r"^step_(\d+)-epoch_(\d+)(?:-([A-Za-z_]+)_(-?[0-9.]+|n
 
 # ---------------------------------------------------------------------------------------------
 # Small file-system helpers
+
 
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -80,12 +81,12 @@ def file_sizes(root: str) -> dict[str, int]:
     return sizes
 
 
-def checkpoint_name(step: int, epoch: int, monitor: str, value: Optional[float]) -> str:
+def checkpoint_name(step: int, epoch: int, monitor: str, value: float | None) -> str:
     name = f"step_{step:06d}-epoch_{epoch:02d}"
     return name if value is None else f"{name}-{monitor}_{value:.4f}"
 
 
-def read_marker(path: str) -> Optional[dict[str, Any]]:
+def read_marker(path: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(path, MARKER), encoding="utf-8") as f:
             marker = json.load(f)
@@ -94,7 +95,7 @@ def read_marker(path: str) -> Optional[dict[str, Any]]:
     return marker if isinstance(marker, dict) else None
 
 
-def verify_files(path: str, marker: dict[str, Any]) -> Optional[str]:
+def verify_files(path: str, marker: dict[str, Any]) -> str | None:
     """None when every file the marker lists is there with its size; else what is wrong."""
     for name, size in marker.get("files", {}).items():
         full = os.path.join(path, name)
@@ -109,6 +110,7 @@ def verify_files(path: str, marker: dict[str, Any]) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # One run directory, one owner
 
+
 class RunDirLock:
     """An exclusive lock on `<run dir>/.lock`, held by rank 0 for the whole run.
 
@@ -121,25 +123,33 @@ class RunDirLock:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_FILE)
-        self.fd: Optional[int] = None
+        self.fd: int | None = None
 
-    def acquire(self, job_id: Optional[str]) -> None:
+    def acquire(self, job_id: str | None) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # e.g. ENOLCK: no locks on this FS
                 os.close(fd)
-                log.warning(f"cannot lock {self.path} ({e.strerror}); two runs in this directory "
-                            f"would not be kept apart")
+                log.warning(
+                    f"cannot lock {self.path} ({e.strerror}); two runs in this directory "
+                    f"would not be kept apart"
+                )
                 return
             holder = _read_holder(fd)
             os.close(fd)
-            raise UserError(f"run error: the run directory {self.run_dir} is in use by another run "
-                            f"({holder}); wait for it to end, or give this run another run.name")
+            raise UserError(
+                f"run error: the run directory {self.run_dir} is in use by another run "
+                f"({holder}); wait for it to end, or give this run another run.name"
+            ) from None
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id,
-                  "started": started}
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": job_id,
+            "started": started,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self.fd = fd
@@ -175,8 +185,11 @@ def check_shared(run_dir: str) -> None:
     with open(own, "w", encoding="utf-8") as f:
         f.write(socket.gethostname())
     dist.barrier()
-    unseen = [r for r in range(dist.world_size())
-              if not os.path.exists(os.path.join(run_dir, f".probe-{token}-rank{r}"))]
+    unseen = [
+        r
+        for r in range(dist.world_size())
+        if not os.path.exists(os.path.join(run_dir, f".probe-{token}-rank{r}"))
+    ]
     reports = dist.gather_objects((socket.gethostname(), unseen))
     dist.barrier()  # nobody removes a probe before everyone has looked
     os.remove(own)
@@ -185,17 +198,21 @@ def check_shared(run_dir: str) -> None:
         hosts = {rank: host for rank, (host, _) in enumerate(reports)}
         rank, host, missing = problems[0]
         missing_text = ", ".join(f"{r} (host {hosts[r]})" for r in missing)
-        raise UserError(f"storage error: the run directory {run_dir} is not shared by all ranks: "
-                        f"rank {rank} (host {host}) does not see the files written there by rank(s) "
-                        f"{missing_text}; put run.out_dir on a filesystem that every node mounts")
+        raise UserError(
+            f"storage error: the run directory {run_dir} is not shared by all ranks: "
+            f"rank {rank} (host {host}) does not see the files written there by rank(s) "
+            f"{missing_text}; put run.out_dir on a filesystem that every node mounts"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints in the order they were saved
 
+
 @dataclass(frozen=True)
 class Entry:
     """A complete checkpoint: its folder name and marker."""
+
     name: str
     path: str
     marker: dict[str, Any]
@@ -208,7 +225,7 @@ class Entry:
     def step(self) -> int:
         return int(self.marker.get("step", 0))
 
-    def metric(self, monitor: str) -> Optional[float]:
+    def metric(self, monitor: str) -> float | None:
         """The monitored value at this checkpoint (None when it was not evaluated there)."""
         if "metric" in self.marker:
             if self.marker["metric"] != monitor or self.marker.get("value") is None:
@@ -242,13 +259,13 @@ class Store:
         # Markers of the first version had no save number: among those the step decides.
         return sorted(entries, key=lambda e: (e.seq, e.step), reverse=True)
 
-    def find(self, path: str) -> Optional[Entry]:
+    def find(self, path: str) -> Entry | None:
         """The entry of this store that `path` names, or None for a checkpoint elsewhere."""
         real = os.path.realpath(path)
         return next((e for e in self.complete() if os.path.realpath(e.path) == real), None)
 
     def prepare(self) -> None:
-        """Create the folder and remove what interrupted saves left (never a complete checkpoint)."""
+        """Create the folder; remove what interrupted saves left (never a complete checkpoint)."""
         os.makedirs(self.dir, exist_ok=True)
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
@@ -279,7 +296,9 @@ class Store:
                 shutil.rmtree(final)
         newest = self.complete()
         marker = dict(marker, seq=(newest[0].seq if newest else 0) + 1, files=files)
-        write_atomic(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())  # + fsync(tmp)
+        write_atomic(
+            os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode()
+        )  # + fsync(tmp)
         os.replace(tmp, final)
         fsync_dir(self.dir)
         latest = os.path.join(self.dir, LATEST)
@@ -300,7 +319,7 @@ class Store:
             if entry.name not in keep:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
-    def best(self, monitor: str, mode: str) -> Optional[Entry]:
+    def best(self, monitor: str, mode: str) -> Entry | None:
         scored = [(e.metric(monitor), e) for e in self.complete()]
         scored = [(v, e) for v, e in scored if v is not None and math.isfinite(v)]
         if not scored:
@@ -308,12 +327,14 @@ class Store:
         pick = max if mode == "max" else min
         return pick(scored, key=lambda item: item[0])[1]
 
-    def supersede(self, entries: list[Entry], reason: str, records: bool = False) -> Optional[str]:
+    def supersede(self, entries: list[Entry], reason: str, records: bool = False) -> str | None:
         """Move `entries` (and with `records`, the run's metrics and TensorBoard events) out of
         the way into `superseded/<time>/`, so that they never mix with the history that goes on.
         Nothing is deleted. Returns the folder they went to (None when there was nothing)."""
         moving = [e for e in entries if os.path.exists(e.path)]
-        extra = [f for f in RECORD_FILES if records and os.path.exists(os.path.join(self.run_dir, f))]
+        extra = [
+            f for f in RECORD_FILES if records and os.path.exists(os.path.join(self.run_dir, f))
+        ]
         if not moving and not extra:
             return None
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

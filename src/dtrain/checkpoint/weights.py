@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Optional
 
 import torch
 from torch import nn
 
 from dtrain import dist
-from dtrain.checkpoint.state import (FULL_FILE, dcp_model_shapes, first_line, load_file,
-                                     read_sharded, shape_mismatch)
+from dtrain.checkpoint.state import (
+    FULL_FILE,
+    dcp_model_shapes,
+    first_line,
+    load_file,
+    read_sharded,
+    shape_mismatch,
+)
 from dtrain.checkpoint.store import read_marker
 from dtrain.config import ModelConfig
 from dtrain.errors import UserError
@@ -28,18 +33,22 @@ def pretrained_path(model_name: str) -> str:
     """Where torchvision's default weights of `tv:<model_name>` lie in the torch hub cache, or a
     UserError saying which file to put where (nothing is downloaded at run time)."""
     import torchvision
+
     name = model_name.removeprefix("tv:")
     try:
         weights = torchvision.models.get_model_weights(name).DEFAULT
     except (ValueError, KeyError, AttributeError):
-        raise UserError(f"config error: model.pretrained: torchvision has no weights for "
-                        f"{model_name}") from None
+        raise UserError(
+            f"config error: model.pretrained: torchvision has no weights for {model_name}"
+        ) from None
     filename = os.path.basename(weights.url)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
     if not os.path.isfile(path):
-        raise UserError(f"config error: model.pretrained: torchvision's weights for {model_name} "
-                        f"are not in the torch hub cache; put {filename} (from {weights.url}) at "
-                        f"{path} (dtrain downloads nothing at run time)")
+        raise UserError(
+            f"config error: model.pretrained: torchvision's weights for {model_name} "
+            f"are not in the torch hub cache; put {filename} (from {weights.url}) at "
+            f"{path} (dtrain downloads nothing at run time)"
+        )
     return path
 
 
@@ -49,8 +58,10 @@ def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
     if isinstance(data, dict) and isinstance(data.get("model"), dict) and "train_state" in data:
         data = data["model"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-        raise UserError(f"config error: model.init_from: {path} holds no state_dict (a mapping of "
-                        f"parameter names to tensors) nor a dtrain checkpoint")
+        raise UserError(
+            f"config error: model.init_from: {path} holds no state_dict (a mapping of "
+            f"parameter names to tensors) nor a dtrain checkpoint"
+        )
     return data
 
 
@@ -63,6 +74,7 @@ class StartingWeights:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         self.cfg = cfg
         self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
         ours = get_model_state_dict(model)
@@ -75,7 +87,7 @@ class StartingWeights:
             self.path = os.path.join(folder, FULL_FILE)
         if not os.path.exists(self.path):
             raise UserError(f"config error: model.init_from: {self.path} not found")
-        self.weights: Optional[dict[str, torch.Tensor]] = None  # read by rank 0 only
+        self.weights: dict[str, torch.Tensor] | None = None  # read by rank 0 only
         self.count = dist.on_main(lambda: self._check(shapes))
 
     def _excluded(self, name: str) -> bool:
@@ -83,37 +95,61 @@ class StartingWeights:
 
     def _check(self, shapes: dict[str, tuple]) -> int:
         if self.sharded_folder is not None:
-            theirs = {k: v for k, v in dcp_model_shapes(self.sharded_folder).items()
-                      if k not in self.excluded}
+            theirs = {
+                k: v
+                for k, v in dcp_model_shapes(self.sharded_folder).items()
+                if k not in self.excluded
+            }
         else:  # memory-mapped: read as the broadcast goes
-            self.weights = {k: v for k, v in _state_dict_of(self.path).items()
-                            if not self._excluded(k)}
+            self.weights = {
+                k: v for k, v in _state_dict_of(self.path).items() if not self._excluded(k)
+            }
             theirs = {k: tuple(v.shape) for k, v in self.weights.items()}
         problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
         if problem:
-            raise UserError(f"config error: model.init_from: {self.path}: {problem}; leave weights "
-                            f"out with model.init_exclude (e.g. [fc.*] for another head)")
+            raise UserError(
+                f"config error: model.init_from: {self.path}: {problem}; leave weights "
+                f"out with model.init_exclude (e.g. [fc.*] for another head)"
+            )
         return len(set(shapes) & set(theirs))
 
     def load(self, model: nn.Module) -> str:
         """Into `model`: rank 0 broadcasts each tensor (every rank keeps its shard), or, from a
         sharded checkpoint, each rank reads its own. Returns a line for the log."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             set_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
         try:
             if self.sharded_folder is not None:
-                staged = {"model": {k: torch.empty_like(v) for k, v in get_model_state_dict(model).items()
-                                    if k not in self.excluded}}
+                staged = {
+                    "model": {
+                        k: torch.empty_like(v)
+                        for k, v in get_model_state_dict(model).items()
+                        if k not in self.excluded
+                    }
+                }
                 read_sharded(self.sharded_folder, staged)
                 set_model_state_dict(model, staged["model"], options=StateDictOptions(strict=False))
             else:
-                options = StateDictOptions(full_state_dict=True, strict=False,
-                                           broadcast_from_rank0=dist.is_distributed())
+                options = StateDictOptions(
+                    full_state_dict=True, strict=False, broadcast_from_rank0=dist.is_distributed()
+                )
                 set_model_state_dict(model, self.weights or {}, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
-            raise UserError(f"config error: model.init_from: {self.path}: {first_line(e)}") from None
+            raise UserError(
+                f"config error: model.init_from: {self.path}: {first_line(e)}"
+            ) from None
         finally:
             self.weights = None
-        left = (f", {len(self.excluded)} left at their initial values "
-                f"({', '.join(self.cfg.init_exclude)})") if self.excluded else ""
+        left = (
+            (
+                f", {len(self.excluded)} left at their initial values "
+                f"({', '.join(self.cfg.init_exclude)})"
+            )
+            if self.excluded
+            else ""
+        )
         return f"initial weights from {self.path}: {self.count} tensors{left}"

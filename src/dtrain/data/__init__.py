@@ -8,8 +8,9 @@ samples), `images`, `text` and `user` (the datasets), `loaders` (DataLoaders, co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from torch.utils.data import Dataset
 
@@ -21,9 +22,23 @@ from dtrain.data.sampler import EvalSampler, ResumableSampler, sample_random
 from dtrain.errors import UserError
 from dtrain.imports import is_import_path
 
-__all__ = ["Datasets", "build", "loaders", "close_loaders", "collate", "to_device", "Stacked",
-           "workers_for", "ImageDataset", "Normalize", "Transform", "ResumableSampler",
-           "EvalSampler", "sample_random", "NAMES"]
+__all__ = [
+    "Datasets",
+    "build",
+    "loaders",
+    "close_loaders",
+    "collate",
+    "to_device",
+    "Stacked",
+    "workers_for",
+    "ImageDataset",
+    "Normalize",
+    "Transform",
+    "ResumableSampler",
+    "EvalSampler",
+    "sample_random",
+    "NAMES",
+]
 
 NAMES = (*images.NAMES, "text")
 DEFAULT_SEQ_LEN = 256
@@ -36,21 +51,21 @@ class Datasets:
     info: dict[str, Any]  # what model builders and tasks may need: num_classes, vocab_size, ...
     notes: list[str] = field(default_factory=list)  # lines for the start-up banner
     # What a batch goes through once on the device (images: uint8 -> normalised float32).
-    on_device: Optional[Callable[[Any], Any]] = None
+    on_device: Callable[[Any], Any] | None = None
 
-    def replaced(self) -> Optional[int]:
+    def replaced(self) -> int | None:
         """Training samples this rank replaced because they could not be read (None when the
         training set never replaces any): summed over the ranks for the records."""
         count = getattr(self.train, "replaced_count", None)
         return count() if count is not None and getattr(self.train, "skip_bad", False) else None
 
 
-def seq_len_of(cfg: DataConfig, model_args: Optional[dict] = None) -> int:
+def seq_len_of(cfg: DataConfig, model_args: dict | None = None) -> int:
     """The text window's length: data.text.seq_len, else the model's seq_len, else 256."""
     return cfg.text.seq_len or int((model_args or {}).get("seq_len") or DEFAULT_SEQ_LEN)
 
 
-def build(cfg: DataConfig, seed: int, model_args: Optional[dict] = None) -> Datasets:
+def build(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
     """The train and validation datasets named by `data.name`."""
     if is_import_path(cfg.name):
         return Datasets(*user.build(cfg))
@@ -58,7 +73,9 @@ def build(cfg: DataConfig, seed: int, model_args: Optional[dict] = None) -> Data
         train, val, info, note = text.build(cfg, seq_len_of(cfg, model_args))
         return Datasets(train, val, info, [note])
     if cfg.name not in images.NAMES:
-        raise UserError(f"config error: data.name: unknown dataset '{cfg.name}'; use one of "
-                        f"{', '.join(NAMES)} or module:function")
+        raise UserError(
+            f"config error: data.name: unknown dataset '{cfg.name}'; use one of "
+            f"{', '.join(NAMES)} or module:function"
+        )
     train, val, info, notes, normalize = images.build(cfg, seed)
     return Datasets(train, val, info, notes, normalize)

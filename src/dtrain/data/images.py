@@ -14,8 +14,9 @@ pure function of (seed, epoch, sample index), with torchvision's operations on u
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ NAMES = ("synthetic", "cifar10", "mnist", "fashion_mnist", "imagefolder")
 
 # ---------------------------------------------------------------------------------------------
 # On the device
+
 
 class Normalize:
     """(uint8 images, labels) -> (normalised float32 images, labels), applied on the device:
@@ -59,6 +61,7 @@ class Normalize:
 # ---------------------------------------------------------------------------------------------
 # Transforms: a pure function of (image, seed, epoch, index)
 
+
 class Transform:
     """What a sample goes through before it is batched (see the module's description)."""
 
@@ -67,12 +70,14 @@ class Transform:
 
     def __call__(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         from torchvision.transforms.v2 import functional as TF
+
         size = self.size
         bits = sample_random(self.seed, epoch, index)
         if self.kind == "imagenet":
             if not self.train:
-                return TF.center_crop(TF.resize(image, [round(size * 256 / 224)], antialias=True),
-                                      [size, size])
+                return TF.center_crop(
+                    TF.resize(image, [round(size * 256 / 224)], antialias=True), [size, size]
+                )
             top, left, height, width = _resized_crop_params(image, bits)
             crop = TF.resized_crop(image, top, left, height, width, [size, size], antialias=True)
             return TF.horizontal_flip(crop) if (bits >> 63) & 1 else crop
@@ -84,15 +89,18 @@ class Transform:
         return image
 
     def describe(self) -> str:
-        return {"cifar": "pad-4 random crop + flip", "none": "resize only, no augmentation",
-                "imagenet": "RandomResizedCrop + flip; validation: resize + center crop"}[self.kind]
+        return {
+            "cifar": "pad-4 random crop + flip",
+            "none": "resize only, no augmentation",
+            "imagenet": "RandomResizedCrop + flip; validation: resize + center crop",
+        }[self.kind]
 
 
 def cifar_crop(padded: torch.Tensor, bits: int, size: int) -> torch.Tensor:
     """A crop of `size` from an image padded by 4 on each side, and a flip, chosen by `bits`."""
     span = padded.shape[-1] - size + 1
     top, left, flip = bits % span, (bits >> 16) % span, (bits >> 32) & 1
-    crop = padded[..., top:top + size, left:left + size]
+    crop = padded[..., top : top + size, left : left + size]
     return crop.flip(-1) if flip else crop
 
 
@@ -100,6 +108,7 @@ def _resized_crop_params(image: torch.Tensor, bits: int) -> tuple[int, int, int,
     """torchvision's RandomResizedCrop parameters, drawn from a generator seeded by the sample's
     own bits (not from the process's random state, which depends on the worker)."""
     from torchvision.transforms import RandomResizedCrop
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(bits & (2**63 - 1))
         return RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
@@ -107,6 +116,7 @@ def _resized_crop_params(image: torch.Tensor, bits: int) -> tuple[int, int, int,
 
 # ---------------------------------------------------------------------------------------------
 # Images in memory
+
 
 class ImageDataset(Dataset):
     """uint8 images (N, C, H, W) with labels, in memory; samples as uint8 through `transform`.
@@ -119,9 +129,13 @@ class ImageDataset(Dataset):
         self.images, self.labels, self.transform = images, labels, transform
         # The common case, CIFAR-style crops of images already at their size: padded once, so
         # that a whole batch of crops is one indexing operation.
-        self._padded: Optional[torch.Tensor] = None
-        if transform.kind == "cifar" and transform.train and images.shape[-1] == transform.size \
-                and images.shape[-2] == transform.size:
+        self._padded: torch.Tensor | None = None
+        if (
+            transform.kind == "cifar"
+            and transform.train
+            and images.shape[-1] == transform.size
+            and images.shape[-2] == transform.size
+        ):
             self._padded = F.pad(images, [CROP_PADDING] * 4)
 
     def __len__(self) -> int:
@@ -147,8 +161,11 @@ class ImageDataset(Dataset):
             windows = self._padded.unfold(2, size, 1).unfold(3, size, 1)
             images = windows[index, :, top, left]
             images = torch.where(flip, images.flip(-1), images)
-        elif self.transform.kind in ("cifar", "none") and not self.transform.train and \
-                tuple(self.images.shape[-2:]) == (self.transform.size,) * 2:
+        elif (
+            self.transform.kind in ("cifar", "none")
+            and not self.transform.train
+            and tuple(self.images.shape[-2:]) == (self.transform.size,) * 2
+        ):
             images = self.images[index]
         else:
             images = torch.stack([self.transform(self.images[i], e, i) for e, i in pairs])
@@ -157,6 +174,7 @@ class ImageDataset(Dataset):
 
 # ---------------------------------------------------------------------------------------------
 # Image folders: listed once, decoded per sample
+
 
 class BadSample(UserError):
     """An image that cannot be read. Raised in a loader worker, it reaches the training process
@@ -172,6 +190,7 @@ class BadSample(UserError):
 @dataclass
 class Listing:
     """One split of an image folder: files relative to its root, their labels, the classes."""
+
     root: str
     files: list[str]
     labels: list[int]
@@ -184,11 +203,13 @@ def decode(path: str) -> torch.Tensor:
     torchvision without them)."""
     try:
         from torchvision.io import ImageReadMode, decode_image, read_file
+
         return decode_image(read_file(path), mode=ImageReadMode.RGB)
     except (ImportError, RuntimeError):
         pass
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
+
     with Image.open(path) as image:
         return pil_to_tensor(image.convert("RGB"))
 
@@ -228,6 +249,7 @@ class ImageFolderSet(Dataset):
                 if candidate not in self._warned:
                     self._warned.add(candidate)
                     from dtrain.observe import log
+
                     log.warning(f"{bad} -- skipped (data.on_bad_sample=skip)")
                 continue
             if offset:
@@ -253,26 +275,36 @@ def list_split(root: str, split: str) -> tuple[Listing, list[str], list[str]]:
     """The images of `root/split/<class>/...` (recursively, hidden files and folders left out);
     also the other files left out and the empty class folders, for the banner."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
+
     path = os.path.join(root, split)
     if not os.path.isdir(path):
         loose = _images_in(root, IMG_EXTENSIONS) if os.path.isdir(root) else []
-        classes = sorted(d.name for d in os.scandir(root) if d.is_dir()
-                         and not d.name.startswith(".")) if os.path.isdir(root) else []
+        classes = (
+            sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+            if os.path.isdir(root)
+            else []
+        )
         hint = ""
         if classes and split == "train" and "val" not in classes:
-            hint = (f"; it has class folders ({', '.join(classes[:4])}) but no train/ and val/: "
-                    f"move them to {root}/train/<class>/ and put validation images in "
-                    f"{root}/val/<class>/")
+            hint = (
+                f"; it has class folders ({', '.join(classes[:4])}) but no train/ and val/: "
+                f"move them to {root}/train/<class>/ and put validation images in "
+                f"{root}/val/<class>/"
+            )
         elif loose:
             hint = f"; it has images directly in it (e.g. {loose[0]}), which need class folders"
-        raise UserError(f"data error: image folder '{split}' not found under '{root}': expected "
-                        f"{path}/<class>/<image>{hint}")
+        raise UserError(
+            f"data error: image folder '{split}' not found under '{root}': expected "
+            f"{path}/<class>/<image>{hint}"
+        )
     classes = sorted(d.name for d in os.scandir(path) if d.is_dir() and not d.name.startswith("."))
     loose = _images_in(path, IMG_EXTENSIONS)
     if not classes:
         detail = f" but images directly in it (e.g. {loose[0]})" if loose else ""
-        raise UserError(f"data error: {path} has no class folders{detail}: expected "
-                        f"{path}/<class>/<image>, one folder per class")
+        raise UserError(
+            f"data error: {path} has no class folders{detail}: expected "
+            f"{path}/<class>/<image>, one folder per class"
+        )
     files, labels, other, empty = [], [], [], []
     for label, name in enumerate(classes):
         count = 0
@@ -294,16 +326,21 @@ def list_split(root: str, split: str) -> tuple[Listing, list[str], list[str]]:
 
 
 def _images_in(path: str, extensions: tuple) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n.lower().endswith(extensions)
-                  and os.path.isfile(os.path.join(path, n)))
+    return sorted(
+        n
+        for n in os.listdir(path)
+        if n.lower().endswith(extensions) and os.path.isfile(os.path.join(path, n))
+    )
 
 
-def header_sizes(listing: Listing, skip_bad: bool, count: int = HEADER_SAMPLE
-                 ) -> list[tuple[int, int]]:
+def header_sizes(
+    listing: Listing, skip_bad: bool, count: int = HEADER_SAMPLE
+) -> list[tuple[int, int]]:
     """(width, height) from the headers of up to `count` files spread over the split: PIL
     reads a header without decoding the pixels. A file that is not an image is the same error
     as at its first use (or, with data.on_bad_sample=skip, left out of the sample)."""
     from PIL import Image
+
     step = max(1, len(listing.files) // count)
     sizes = []
     for index in range(0, len(listing.files), step)[:count]:
@@ -317,12 +354,14 @@ def header_sizes(listing: Listing, skip_bad: bool, count: int = HEADER_SAMPLE
     return sizes
 
 
-def bad_sample(listing: Listing, index: int, error: BaseException) -> "BadSample":
+def bad_sample(listing: Listing, index: int, error: BaseException) -> BadSample:
     path = os.path.join(listing.root, listing.files[index])
     label = listing.classes[listing.labels[index]]
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return BadSample(f"data error: cannot read image {path} (class '{label}'): {first}; remove "
-                     f"or replace it, or set data.on_bad_sample=skip")
+    return BadSample(
+        f"data error: cannot read image {path} (class '{label}'): {first}; remove "
+        f"or replace it, or set data.on_bad_sample=skip"
+    )
 
 
 def choose_size(cfg: DataConfig, sizes: list[tuple[int, int]]) -> tuple[int, str]:
@@ -334,8 +373,10 @@ def choose_size(cfg: DataConfig, sizes: list[tuple[int, int]]) -> tuple[int, str
         size = distinct[0][0]
         return size, f"the images' own size: every header read is {size}x{size}"
     shown = ", ".join(f"{w}x{h}" for w, h in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
-    return 224, (f"the default for images that are not all of one square size <= {NATIVE_MAX} px, "
-                 f"headers read: {shown}; set data.image_size to choose")
+    return 224, (
+        f"the default for images that are not all of one square size <= {NATIVE_MAX} px, "
+        f"headers read: {shown}; set data.image_size to choose"
+    )
 
 
 def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
@@ -351,14 +392,20 @@ def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Building the datasets
 
-def build(cfg: DataConfig, seed: int
-          ) -> tuple[Dataset, Dataset, dict[str, Any], list[str], Normalize]:
+
+def build(
+    cfg: DataConfig, seed: int
+) -> tuple[Dataset, Dataset, dict[str, Any], list[str], Normalize]:
     """The train and validation sets of a built-in image dataset or an image folder, what models
     need to know, lines for the banner, and the normalisation done on the device."""
     if cfg.name == "imagefolder":
         return _image_folder(cfg, seed)
-    loaders = {"synthetic": _synthetic, "cifar10": _cifar10, "mnist": _mnist,
-               "fashion_mnist": _mnist}
+    loaders = {
+        "synthetic": _synthetic,
+        "cifar10": _cifar10,
+        "mnist": _mnist,
+        "fashion_mnist": _mnist,
+    }
     (train_x, train_y), (val_x, val_y), num_classes, norm = loaders[cfg.name](cfg)
     native = train_x.shape[-1]
     size = cfg.image_size or native
@@ -366,33 +413,43 @@ def build(cfg: DataConfig, seed: int
     train = ImageDataset(train_x, train_y, Transform(kind, size, cfg.augment, seed))
     val = ImageDataset(val_x, val_y, Transform(kind, size, False, seed))
     info = {"num_classes": num_classes, "in_channels": train_x.shape[1], "image_size": size}
-    notes = [f"images {size}x{size} ({'their own size' if size == native else 'data.image_size'}), "
-             f"transform {kind}: {train.transform.describe()} ({why})"]
+    notes = [
+        f"images {size}x{size} ({'their own size' if size == native else 'data.image_size'}), "
+        f"transform {kind}: {train.transform.describe()} ({why})"
+    ]
     return train, val, info, notes, Normalize(*norm)
 
 
 def _image_folder(cfg: DataConfig, seed: int) -> tuple:
     """Rank 0 lists the folder and reads a sample of headers; every rank gets its result (ranks
     never each walk a million files)."""
+
     def survey() -> tuple[Listing, Listing, list[str], int, str]:
-        (train, other, empty), (val, val_other, val_empty) = (list_split(cfg.root, s)
-                                                              for s in ("train", "val"))
+        (train, other, empty), (val, val_other, val_empty) = (
+            list_split(cfg.root, s) for s in ("train", "val")
+        )
         if train.classes != val.classes:
-            raise UserError(f"data error: {cfg.root}: train and val class folders differ "
-                            f"({train.classes} vs {val.classes})")
+            raise UserError(
+                f"data error: {cfg.root}: train and val class folders differ "
+                f"({train.classes} vs {val.classes})"
+            )
         if not train.files or not val.files:
             split = "train" if not train.files else "val"
-            raise UserError(f"data error: {os.path.join(cfg.root, split)} has no images in its "
-                            f"class folders")
+            raise UserError(
+                f"data error: {os.path.join(cfg.root, split)} has no images in its class folders"
+            )
         notes = []
         for split, files in (("train", other), ("val", val_other)):
             if files:
-                notes.append(f"image folder {split}/: left out {len(files)} file(s) that are not "
-                             f"images (e.g. {files[0]})")
+                notes.append(
+                    f"image folder {split}/: left out {len(files)} file(s) that are not "
+                    f"images (e.g. {files[0]})"
+                )
         for split, names in (("train", empty), ("val", val_empty)):
             if names:
-                notes.append(f"image folder {split}/: class folder(s) with no images: "
-                             f"{', '.join(names[:5])}")
+                notes.append(
+                    f"image folder {split}/: class folder(s) with no images: {', '.join(names[:5])}"
+                )
         skip = cfg.on_bad_sample == "skip"
         sizes = [] if cfg.image_size else header_sizes(train, skip) + header_sizes(val, skip)
         size, why = choose_size(cfg, sizes)
@@ -403,10 +460,13 @@ def _image_folder(cfg: DataConfig, seed: int) -> tuple:
     skip = cfg.on_bad_sample == "skip"
     train = ImageFolderSet(train_list, Transform(kind, size, cfg.augment, seed), skip)
     val = ImageFolderSet(val_list, Transform(kind, size, False, seed), skip)
-    notes.append(f"image folder {cfg.root}: {len(train)} train / {len(val)} val images in "
-                 f"{len(train_list.classes)} classes (listed once, decoded per sample)")
-    notes.append(f"images {size}x{size} ({why}), transform {kind}: {train.transform.describe()} "
-                 f"({kind_why})")
+    notes.append(
+        f"image folder {cfg.root}: {len(train)} train / {len(val)} val images in "
+        f"{len(train_list.classes)} classes (listed once, decoded per sample)"
+    )
+    notes.append(
+        f"images {size}x{size} ({why}), transform {kind}: {train.transform.describe()} ({kind_why})"
+    )
     info = {"num_classes": len(train_list.classes), "in_channels": 3, "image_size": size}
     return train, val, info, notes, Normalize(*IMAGENET_NORM)
 
@@ -418,26 +478,40 @@ def _synthetic(cfg: DataConfig) -> tuple:
 
 
 def _missing(what: str, where: str, expect: str) -> UserError:
-    return UserError(f"data error: {what} not found under '{where}': {expect} "
-                     f"(or set data.download=true where the machine is online)")
+    return UserError(
+        f"data error: {what} not found under '{where}': {expect} "
+        f"(or set data.download=true where the machine is online)"
+    )
 
 
 def _cifar10(cfg: DataConfig) -> tuple:
     from torchvision.datasets import CIFAR10
+
     try:
         train = CIFAR10(cfg.root, train=True, download=cfg.download)
         val = CIFAR10(cfg.root, train=False, download=cfg.download)
     except RuntimeError:
-        raise _missing("CIFAR-10", cfg.root, "put the extracted 'cifar-10-batches-py' folder there"
-                       ) from None
-    as_tensor = lambda d: (torch.from_numpy(d.data).permute(0, 3, 1, 2).contiguous(),  # noqa: E731
-                           torch.tensor(d.targets))
-    return (as_tensor(train), as_tensor(val), 10,
-            ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)))
+        raise _missing(
+            "CIFAR-10", cfg.root, "put the extracted 'cifar-10-batches-py' folder there"
+        ) from None
+
+    def as_tensor(d):
+        return (
+            torch.from_numpy(d.data).permute(0, 3, 1, 2).contiguous(),  # noqa: E731
+            torch.tensor(d.targets),
+        )
+
+    return (
+        as_tensor(train),
+        as_tensor(val),
+        10,
+        ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    )
 
 
 def _mnist(cfg: DataConfig) -> tuple:
     from torchvision.datasets import MNIST, FashionMNIST
+
     cls, folder = (MNIST, "MNIST") if cfg.name == "mnist" else (FashionMNIST, "FashionMNIST")
     try:
         train = cls(cfg.root, train=True, download=cfg.download)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy
 import torch
@@ -24,7 +25,7 @@ class Stacked(list):
         if isinstance(batch, torch.Tensor):
             samples: list = list(batch.unbind(0))
         else:
-            samples = list(zip(*(part.unbind(0) for part in batch)))
+            samples = list(zip(*(part.unbind(0) for part in batch), strict=False))
         super().__init__(samples)
         self.batch = batch
 
@@ -39,8 +40,12 @@ def collate(samples: Any) -> Any:
     return default_collate(samples)
 
 
-def to_device(batch: Any, device: torch.device, on_device: Optional[Callable[[Any], Any]] = None,
-              channels_last: bool = False) -> Any:
+def to_device(
+    batch: Any,
+    device: torch.device,
+    on_device: Callable[[Any], Any] | None = None,
+    channels_last: bool = False,
+) -> Any:
     """Every tensor of a batch (tensors, tuples, lists, namedtuples, dicts, nested) on `device`
     (asynchronously from pinned memory on CUDA), then what the data does on the device (images:
     uint8 to normalised float), then, with `channels_last`, 4-D float inputs in that format."""
@@ -48,8 +53,14 @@ def to_device(batch: Any, device: torch.device, on_device: Optional[Callable[[An
     if on_device is not None:
         batch = on_device(batch)
     if channels_last:
-        batch = _tree_map(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
-                          if t.dim() == 4 and t.is_floating_point() else t)
+        batch = _tree_map(
+            batch,
+            lambda t: (
+                t.contiguous(memory_format=torch.channels_last)
+                if t.dim() == 4 and t.is_floating_point()
+                else t
+            ),
+        )
     return batch
 
 
@@ -70,11 +81,15 @@ def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
     than each rank's share (the rank itself needs one), at most 8."""
     if cfg.num_workers != "auto":
         return int(cfg.num_workers), "set by data.num_workers"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     per_rank = max(1, cpus // max(1, local_world_size))
     workers = max(0, min(8, per_rank - 1))
-    return workers, (f"auto: {cpus} CPU(s) for {local_world_size} rank(s) on this node, "
-                     f"{per_rank} per rank, one of them for the rank itself")
+    return workers, (
+        f"auto: {cpus} CPU(s) for {local_world_size} rank(s) on this node, "
+        f"{per_rank} per rank, one of them for the rank itself"
+    )
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -93,9 +108,17 @@ def close_loaders(loaders: tuple) -> None:
             iterator._shutdown_workers()
 
 
-def loaders(train_set: Any, val_set: Any, cfg: DataConfig, seed: int, rank: int, world_size: int,
-            device: torch.device, overfit_batches: int = 0, workers: int = 0
-            ) -> tuple[DataLoader, ResumableSampler, DataLoader, EvalSampler]:
+def loaders(
+    train_set: Any,
+    val_set: Any,
+    cfg: DataConfig,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    overfit_batches: int = 0,
+    workers: int = 0,
+) -> tuple[DataLoader, ResumableSampler, DataLoader, EvalSampler]:
     """The train loader (steered through its sampler's `set_epoch`) and the validation loader,
     with `workers` loader processes each."""
     shuffle = True
@@ -105,19 +128,32 @@ def loaders(train_set: Any, val_set: Any, cfg: DataConfig, seed: int, rank: int,
         shuffle = False
     per_step = cfg.batch_size * world_size
     if len(train_set) < per_step:
-        raise UserError(f"data error: the training set has {len(train_set)} samples, fewer than "
-                        f"one step needs ({world_size} ranks x batch {cfg.batch_size}); lower "
-                        f"data.batch_size or add data")
+        raise UserError(
+            f"data error: the training set has {len(train_set)} samples, fewer than "
+            f"one step needs ({world_size} ranks x batch {cfg.batch_size}); lower "
+            f"data.batch_size or add data"
+        )
     if len(val_set) == 0:
         raise UserError("data error: the validation set is empty")
     train_sampler = ResumableSampler(len(train_set), rank, world_size, seed, shuffle, cfg.drop_last)
     val_sampler = EvalSampler(len(val_set), rank, world_size)
-    common = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate,
-                  persistent_workers=workers > 0 and cfg.persistent_workers,
-                  worker_init_fn=_seed_worker if workers else None)
+    common = dict(
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        collate_fn=collate,
+        persistent_workers=workers > 0 and cfg.persistent_workers,
+        worker_init_fn=_seed_worker if workers else None,
+    )
     generator = torch.Generator().manual_seed(seed + rank)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler,
-                              drop_last=cfg.drop_last, generator=generator, **common)
-    val_loader = DataLoader(val_set, batch_size=cfg.eval_batch_size or cfg.batch_size,
-                            sampler=val_sampler, **common)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=train_sampler,
+        drop_last=cfg.drop_last,
+        generator=generator,
+        **common,
+    )
+    val_loader = DataLoader(
+        val_set, batch_size=cfg.eval_batch_size or cfg.batch_size, sampler=val_sampler, **common
+    )
     return train_loader, train_sampler, val_loader, val_sampler

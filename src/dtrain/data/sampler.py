@@ -9,12 +9,13 @@ part-way through an epoch, that makes a mid-epoch resume bit-exact.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Union
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Sampler
 
-SampleKey = Union[int, tuple[int, int]]  # an index, or (epoch, index) for a training sample
+SampleKey = int | tuple[int, int]  # an index, or (epoch, index) for a training sample
 _MASK64 = (1 << 64) - 1
 
 
@@ -28,7 +29,9 @@ def epoch_and_index(key: SampleKey) -> tuple[int, int]:
 
 def sample_random(seed: int, epoch: int, index: int) -> int:
     """64 random bits for one sample in one epoch (splitmix64 of the three numbers)."""
-    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
+    z = (
+        seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
+    ) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
@@ -43,8 +46,15 @@ class ResumableSampler(Sampler[tuple[int, int]]):
     position by global samples consumed and never skips or repeats a sample.
     """
 
-    def __init__(self, size: int, rank: int, world_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
         self.size, self.rank, self.world_size = size, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.epoch, self.consumed = 0, 0
@@ -59,17 +69,17 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         else:
             order = list(range(self.size))
         if self.drop_last:
-            order = order[:self.size - self.size % self.world_size]
+            order = order[: self.size - self.size % self.world_size]
         else:
-            order += order[:(-self.size) % self.world_size]
-        rest = order[self.consumed:]
+            order += order[: (-self.size) % self.world_size]
+        rest = order[self.consumed :]
         uneven = len(rest) % self.world_size  # only after a world-size change
         if uneven:
-            rest = rest[:-uneven] if self.drop_last else rest + rest[:self.world_size - uneven]
+            rest = rest[:-uneven] if self.drop_last else rest + rest[: self.world_size - uneven]
         return rest
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter([(self.epoch, i) for i in self._order()[self.rank::self.world_size]])
+        return iter([(self.epoch, i) for i in self._order()[self.rank :: self.world_size]])
 
     def __len__(self) -> int:
         """Batches of this rank: _order()'s length by arithmetic (no permutation to draw)."""
@@ -93,7 +103,9 @@ class EvalSampler(Sampler[int]):
         self.valid_count = len(range(rank, size, world_size))
 
     def __iter__(self) -> Iterator[int]:
-        return iter([min(self.rank + j * self.world_size, self.size - 1) for j in range(self.per_rank)])
+        return iter(
+            [min(self.rank + j * self.world_size, self.size - 1) for j in range(self.per_rank)]
+        )
 
     def __len__(self) -> int:
         return self.per_rank

@@ -14,7 +14,7 @@ Where the validation text comes from: `<root>/train.txt` + `<root>/val.txt`, or 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -31,17 +31,20 @@ def python_docs() -> bytes:
     """The built-in corpus: the Python documentation text that every CPython ships
     (`pydoc_data.topics`, about 465 KB of English prose and code), in topic order."""
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[name] for name in sorted(topics)).encode("utf-8")
 
 
 class ByteWindows(Dataset):
-    """Windows of `seq_len + 1` bytes starting every `stride` bytes, as uint8 (batch, seq_len + 1)."""
+    """Windows of `seq_len + 1` bytes every `stride` bytes, as uint8 (batch, seq_len + 1)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, stride: int) -> None:
         self.data, self.seq_len, self.stride = data, seq_len, stride
         self.count = _windows(len(data), seq_len, stride)
         # every window as a view: one indexing operation copies out a batch
-        self.windows = data.unfold(0, seq_len + 1, stride) if self.count else data.view(0, seq_len + 1)
+        self.windows = (
+            data.unfold(0, seq_len + 1, stride) if self.count else data.view(0, seq_len + 1)
+        )
 
     def __len__(self) -> int:
         return self.count
@@ -57,8 +60,11 @@ def _text_files(path: str) -> list[str]:
     """A file itself, or the .txt files of a folder in name order."""
     if os.path.isfile(path):
         return [path]
-    return sorted(os.path.join(path, n) for n in os.listdir(path)
-                  if n.endswith(".txt") and os.path.isfile(os.path.join(path, n)))
+    return sorted(
+        os.path.join(path, n)
+        for n in os.listdir(path)
+        if n.endswith(".txt") and os.path.isfile(os.path.join(path, n))
+    )
 
 
 def _read_text(path: str) -> bytes:
@@ -78,12 +84,14 @@ def _text_size(path: str) -> int:
     return sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1)
 
 
-def _sources(root: str) -> tuple[str, Optional[str]]:
+def _sources(root: str) -> tuple[str, str | None]:
     """The training text and the validation text under `root` (train.txt and val.txt, or train/
     and val/), or `root` alone and None: the validation text is then its last part."""
     if not os.path.exists(root):
-        raise UserError(f"data error: text not found at '{root}': set data.root to a UTF-8 file "
-                        f"or a folder of .txt files (or data.text.corpus=python_docs)")
+        raise UserError(
+            f"data error: text not found at '{root}': set data.root to a UTF-8 file "
+            f"or a folder of .txt files (or data.text.corpus=python_docs)"
+        )
     for train_name, val_name in (("train.txt", "val.txt"), ("train", "val")):
         train_path, val_path = os.path.join(root, train_name), os.path.join(root, val_name)
         if os.path.isdir(root) and os.path.exists(train_path) and os.path.exists(val_path):
@@ -96,13 +104,21 @@ def _splits(cfg: DataConfig) -> tuple[bytes, bytes, str]:
     if text.corpus == "python_docs":
         data = python_docs()
         cut = len(data) - int(len(data) * text.val_fraction)
-        return data[:cut], data[cut:], f"the built-in corpus (Python documentation, {len(data)} bytes)"
+        return (
+            data[:cut],
+            data[cut:],
+            f"the built-in corpus (Python documentation, {len(data)} bytes)",
+        )
     train_path, val_path = _sources(cfg.root)
     if val_path is not None:
         return _read_text(train_path), _read_text(val_path), f"{train_path} and {val_path}"
     data = _read_text(train_path)
     cut = len(data) - int(len(data) * text.val_fraction)
-    return data[:cut], data[cut:], f"{train_path} (the last {text.val_fraction:.0%} held out for validation)"
+    return (
+        data[:cut],
+        data[cut:],
+        f"{train_path} (the last {text.val_fraction:.0%} held out for validation)",
+    )
 
 
 def _windows(size: int, seq_len: int, stride: int) -> int:
@@ -118,15 +134,21 @@ def window_counts(cfg: DataConfig, seq_len: int) -> tuple[int, int]:
     else:
         train_path, val_path = _sources(cfg.root)
         if val_path is not None:
-            return (_windows(_text_size(train_path), seq_len, stride),
-                    _windows(_text_size(val_path), seq_len, seq_len))
+            return (
+                _windows(_text_size(train_path), seq_len, stride),
+                _windows(_text_size(val_path), seq_len, seq_len),
+            )
         total = _text_size(train_path)
     val = int(total * cfg.text.val_fraction)
     return _windows(total - val, seq_len, stride), _windows(val, seq_len, seq_len)
 
 
 def _tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8)
+    )
 
 
 def unigram_entropy(data: torch.Tensor) -> float:
@@ -143,12 +165,19 @@ def build(cfg: DataConfig, seq_len: int) -> tuple[Dataset, Dataset, dict[str, An
     train = ByteWindows(_tensor(train_bytes), seq_len, stride)
     val_data = _tensor(val_bytes)
     val = ByteWindows(val_data, seq_len, seq_len)
-    for name, windows, size in (("training", train, len(train_bytes)), ("validation", val, len(val_bytes))):
+    for name, windows, size in (
+        ("training", train, len(train_bytes)),
+        ("validation", val, len(val_bytes)),
+    ):
         if len(windows) == 0:
-            raise UserError(f"data error: the {name} text has {size} bytes, fewer than one window "
-                            f"of seq_len + 1 = {seq_len + 1}; add text or lower data.text.seq_len")
+            raise UserError(
+                f"data error: the {name} text has {size} bytes, fewer than one window "
+                f"of seq_len + 1 = {seq_len + 1}; add text or lower data.text.seq_len"
+            )
     info = {"vocab_size": VOCAB_SIZE, "seq_len": seq_len}
-    banner = (f"text from {source}: {len(train)} training windows of {seq_len + 1} bytes (stride "
-              f"{stride}), {len(val)} validation windows; byte-unigram entropy of the validation "
-              f"text {unigram_entropy(val_data):.3f} bits")
+    banner = (
+        f"text from {source}: {len(train)} training windows of {seq_len + 1} bytes (stride "
+        f"{stride}), {len(val)} validation windows; byte-unigram entropy of the validation "
+        f"text {unigram_entropy(val_data):.3f} bits"
+    )
     return train, val, info, banner

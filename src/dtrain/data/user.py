@@ -38,8 +38,12 @@ def declared_info(train: Dataset) -> dict[str, Any]:
     shape = getattr(train, "sample_shape", None)
     if shape is None and len(train):  # type: ignore[arg-type]
         first = train[0]
-        if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor) \
-                and first[0].dim() == 3:
+        if (
+            isinstance(first, (tuple, list))
+            and first
+            and isinstance(first[0], torch.Tensor)
+            and first[0].dim() == 3
+        ):
             shape = tuple(first[0].shape)
     if shape is not None:
         info.setdefault("in_channels", shape[0])
@@ -50,8 +54,9 @@ def declared_info(train: Dataset) -> dict[str, Any]:
 def build(cfg: DataConfig) -> tuple[Dataset, Dataset, dict[str, Any]]:
     result = load_callable(cfg.name, "data.name")(cfg)
     if not (isinstance(result, tuple) and len(result) == 2):
-        got = (f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__)
-        raise UserError(f"data error: {cfg.name} must return (train_dataset, val_dataset); it "
-                        f"returned {got}")
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise UserError(
+            f"data error: {cfg.name} must return (train_dataset, val_dataset); it returned {got}"
+        )
     train, val = result
     return IndexOnly(train), val, declared_info(train)
