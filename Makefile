@@ -1,5 +1,5 @@
 # make train: set up .venv if needed, then the main job (2-rank DDP on the default config).
-# make test:  the same set-up, then the whole test suite.
+# make test:  the same set-up, then lint and type checks (make lint), then the whole test suite.
 # make bench: benchmarks against a plain PyTorch loop (figures, never pass/fail).
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -9,21 +9,27 @@ ARGS    ?=
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: train test bench setup clean
+.PHONY: train test lint bench setup clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,dev]'
 	touch $(STAMP)
 
 train: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -rs tests
+
+# ruff (lint and format) and mypy on src/, as configured in pyproject.toml.
+lint: $(STAMP)
+	$(PY) -m ruff check src
+	$(PY) -m ruff format --check src
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -28,7 +28,9 @@ def _setup(work: Path, asynchronous: bool):
     import torch
     import torch.nn.functional as F
     from dtrain import checkpoint, config, data, models, optim
-    from dtrain.trainer import TrainState
+    from dtrain.env import Env
+    from dtrain.layout import resolve
+    from dtrain.loop_state import TrainState
 
     cfg = config.load(None, [*MODEL, f"run.out_dir={work}", f"run.name={'async' if asynchronous else 'sync'}",
                              f"ckpt.async={str(asynchronous).lower()}", "ckpt.keep_last=2",
@@ -41,10 +43,12 @@ def _setup(work: Path, asynchronous: bool):
     F.cross_entropy(model(images), torch.tensor([0, 1, 2, 3])).backward()
     optimizer.step()  # the optimizer state exists only after a step
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
-    checkpointer = checkpoint.Checkpointer(cfg, checkpoint.Store(run_dir), model, optimizer, lambda: {},
-                                           lambda extra: None, torch.device("cpu"), False,
-                                           models.model_info(cfg.model, info))
-    return cfg, model, optimizer, checkpointer, TrainState()
+    state = TrainState()
+    checkpointer = checkpoint.Checkpointer(
+        cfg=cfg, layout=resolve(cfg, Env(launcher="single"), torch.device("cpu")),
+        store=checkpoint.Store(run_dir), model=model, optimizer=optimizer, state=state, parts={},
+        model_info=models.model_info(cfg.model, info))
+    return cfg, model, optimizer, checkpointer, state
 
 
 def _timed(fn) -> float:
@@ -78,7 +82,7 @@ def run(work: Path, rounds: int = 5) -> list[Figure]:
 
     def dtrain_save() -> None:
         state.step += 1
-        ours.save(state)
+        ours.save()
 
     times: dict[str, list[float]] = {k: [] for k in (
         "dtrain save", "torch.save", "torch.save+fsync", "dtrain load", "torch.load", "async blocked")}
@@ -89,7 +93,7 @@ def run(work: Path, rounds: int = 5) -> list[Figure]:
         times["dtrain load"].append(_timed(ours.resume))
         times["torch.load"].append(_timed(plain_load))
         async_state.step += 1
-        times["async blocked"].append(_timed(lambda: background.save(async_state)))
+        times["async blocked"].append(_timed(lambda: background.save()))
         background.wait()  # the write itself, not counted: training would go on meanwhile
     t = {k: common.median(v) for k, v in times.items()}
     mb = state_bytes / 1e6

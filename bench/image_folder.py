@@ -73,7 +73,8 @@ def dtrain_loader(root: Path) -> float:
     cfg = DataConfig(name="imagefolder", root=str(root), batch_size=BATCH, image_size=224,
                      transform="imagenet", persistent_workers=False)
     sets = build(cfg, seed=0)
-    train = loaders(sets.train, sets.val, cfg, 0, 0, 1, torch.device("cpu"), workers=WORKERS)[0]
+    train = loaders(sets.train, sets.val, cfg=cfg, seed=0, rank=0, world_size=1,
+                    device=torch.device("cpu"), workers=WORKERS).train
     return _images_per_s(train, lambda batch: to_device(batch, torch.device("cpu"), sets.on_device))
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_io  # noqa: E402
 import exit_codes  # noqa: E402
+import headline  # noqa: E402
 import image_folder  # noqa: E402
 import input_pipeline  # noqa: E402
 import memory  # noqa: E402
@@ -32,7 +33,7 @@ from common import Figure  # noqa: E402
 
 BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memory,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
-              "peers": peers, "exit_codes": exit_codes}
+              "peers": peers, "exit_codes": exit_codes, "headline": headline}
 # Run on request only (--only exit_codes): 40 launches, several minutes.
 DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +135,53 @@ def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float)
                 return
         time.sleep(0.05)
     raise AssertionError(f"no step {step} in {path} after {timeout} s")
+
+
+# -- runs killed and resumed, and what they leave -------------------------------------------------
+
+def latest(run_dir: Path) -> Path:
+    """The checkpoint folder that the run directory's `latest` names."""
+    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def final_weights(run_dir: Path) -> dict:
+    from dtrain.export import load_model
+    model, _ = load_model(str(latest(run_dir)))
+    return model.state_dict()
+
+
+def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
+    """launch/train.py on the tiny job in the background, output discarded, in a session of its own."""
+    args = [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
+    prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
+    return subprocess.Popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 180) -> None:
+    """SIGKILL torchrun and all its workers at once when `ready()` holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def saved_step(run_dir: Path) -> int:
+    path = run_dir / "checkpoints" / "latest"
+    return json.loads((latest(run_dir) / "COMPLETE").read_text())["step"] if path.exists() else 0
+
+
+def kill_then_resume(run_dir: Path, overrides: list[str], at_step: int) -> tuple[int, Result]:
+    """A 2-rank run SIGKILLed (torchrun and every worker) once a checkpoint of `at_step` or
+    later is saved, then the same command again: the step it was killed at, and the relaunch."""
+    proc = start(run_dir, overrides, nproc=2)
+    kill_when(proc, lambda: saved_step(run_dir) >= at_step)
+    killed_at = saved_step(run_dir)
+    return killed_at, launch(run_dir, overrides, nproc=2)
 
 
 @pytest.fixture

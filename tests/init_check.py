@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dtrain import config, dist, env, models, parallel, sharded_init
+from dtrain import config, dist, env, layout, models, parallel, sharded_init
 
 # Every tensor above 4 KiB is "large" here, so that even these small models are built row by row.
 sharded_init.FULL_BYTES = 4096
@@ -27,10 +27,12 @@ CASES = [
 
 
 def main() -> None:
-    runtime = dist.init(env.detect(), config.DistConfig())
+    launch = env.detect()
+    cfg = config.load(None, ["parallel.mode=fsdp"])
+    dist.init(layout.resolve(cfg, launch), cfg.dist)
     for name, args, info in CASES:
         cfg = config.load(None, [f"model.name={name}", f"model.args={args}", "parallel.mode=fsdp"])
-        wrapped, count, notes = parallel.build(cfg, info, runtime)
+        wrapped, count, notes = parallel.build(cfg, info, layout.resolve(cfg, launch))
         full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
         if dist.is_main():

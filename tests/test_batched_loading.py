@@ -31,19 +31,19 @@ def test_batched_loading_equals_per_sample_loading(augment: bool) -> None:
     datasets = data.build(cfg, seed=3)
     assert hasattr(datasets.train, "__getitems__")
     for rank in (0, 1):
-        batched = data.loaders(datasets.train, datasets.val, cfg, 3, rank, 2, torch.device("cpu"))
-        single = data.loaders(PerSample(datasets.train), PerSample(datasets.val), cfg, 3, rank, 2,
-                              torch.device("cpu"))
+        where = dict(cfg=cfg, seed=3, rank=rank, world_size=2, device=torch.device("cpu"))
+        batched = data.loaders(datasets.train, datasets.val, **where)
+        single = data.loaders(PerSample(datasets.train), PerSample(datasets.val), **where)
         for epoch in (0, 4):
-            batched[1].set_epoch(epoch)
-            single[1].set_epoch(epoch)
-            pairs = list(zip(batched[0], single[0]))
+            batched.train_sampler.set_epoch(epoch)
+            single.train_sampler.set_epoch(epoch)
+            pairs = list(zip(batched.train, single.train))
             assert len(pairs) == 200 // 2 // 16
             for (x, y), (x_ref, y_ref) in pairs:
                 assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
                 assert x.dtype == x_ref.dtype and x.shape == (16, 3, 32, 32)
         # validation keys are plain indices, not (epoch, index)
-        for (x, y), (x_ref, y_ref) in zip(batched[2], single[2]):
+        for (x, y), (x_ref, y_ref) in zip(batched.val, single.val):
             assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
     if augment:  # the same images get other crops in another epoch: the comparison covers them
         keys = list(range(8))

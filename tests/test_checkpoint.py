@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, TINY, Result, child_env, kill_tree, launch, torchrun_cmd
+from conftest import (final_weights, kill_then_resume, kill_when, latest, launch, saved_step,
+                      start)
 
 STEPS = 24
 SLOW = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
@@ -25,49 +22,6 @@ SLOW = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
 def checkpoints(run_dir: Path) -> list[str]:
     folder = run_dir / "checkpoints"
     return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.exists() else []
-
-
-def latest(run_dir: Path) -> Path:
-    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-
-
-def final_weights(run_dir: Path) -> dict:
-    from dtrain.export import load_model
-    model, _ = load_model(str(latest(run_dir)))
-    return model.state_dict()
-
-
-def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
-    args = [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
-    prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
-    return subprocess.Popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def kill_when(proc: subprocess.Popen, ready, timeout: float = 180) -> None:
-    """SIGKILL torchrun and all its workers at once when `ready()` holds."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "timed out waiting to kill the run"
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    kill_tree(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-def saved_step(run_dir: Path) -> int:
-    path = run_dir / "checkpoints" / "latest"
-    return json.loads((latest(run_dir) / "COMPLETE").read_text())["step"] if path.exists() else 0
-
-
-def kill_then_resume(run_dir: Path, overrides: list[str], at_step: int) -> tuple[int, Result]:
-    """A 2-rank run SIGKILLed (torchrun and every worker) once a checkpoint of `at_step` or
-    later is saved, then the same command again: the step it was killed at, and the relaunch."""
-    proc = start(run_dir, overrides, nproc=2)
-    kill_when(proc, lambda: saved_step(run_dir) >= at_step)
-    killed_at = saved_step(run_dir)
-    return killed_at, launch(run_dir, overrides, nproc=2)
 
 
 def assert_identical(straight, resumed_dir: Path) -> None:

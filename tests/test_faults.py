@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import descendants, launch
-from test_checkpoint import final_weights, latest, start
+from conftest import descendants, final_weights, latest, launch, start
 
 FAULTY = "model.name=user_code:faulty_cnn"
 
@@ -159,15 +158,15 @@ def test_data_errors_end_every_rank_promptly_with_one_message(tmp_path, override
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch) -> None:
-    from dtrain import dist
     from dtrain.env import Env
     from dtrain.errors import UserError
+    from dtrain.layout import pick_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     env = Env(launcher="torchrun", rank=3, local_rank=3, world_size=4, local_world_size=4)
     with pytest.raises(UserError, match=r"4 ranks per node requested, found 2 visible GPU"):
-        dist.pick_device(env)
-    assert dist.pick_device(Env(launcher="torchrun", rank=1, local_rank=1, world_size=2,
+        pick_device(env)
+    assert pick_device(Env(launcher="torchrun", rank=1, local_rank=1, world_size=2,
                                 local_world_size=2)) == torch.device("cuda", 1)
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, child_env, launch, torchrun_cmd
+from conftest import REPO, child_env, latest, launch, torchrun_cmd
 from dtrain import host_memory
-from test_checkpoint import latest
 
 
 def test_shard_by_shard_construction_gives_the_whole_models_weights() -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dtrain, launch
-from test_checkpoint import kill_then_resume
+from conftest import dtrain, kill_then_resume, launch
 
 
 def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext: str = ".jpg",
@@ -110,7 +109,8 @@ def test_batches_reach_the_device_as_uint8(folder) -> None:
     from dtrain.data import build, loaders, to_device
     cfg = DataConfig(name="imagefolder", root=str(folder), batch_size=8)
     sets = build(cfg, seed=0)
-    batch = next(iter(loaders(sets.train, sets.val, cfg, 0, 0, 1, torch.device("cpu"))[0]))
+    batch = next(iter(loaders(sets.train, sets.val, cfg=cfg, seed=0, rank=0, world_size=1,
+                              device=torch.device("cpu")).train))
     assert batch[0].dtype == torch.uint8 and batch[0].shape == (8, 3, 32, 32)
     images, labels = to_device(batch, torch.device("cpu"), sets.on_device)
     assert images.dtype == torch.float32
@@ -207,6 +207,29 @@ def test_skipping_unreadable_images_is_deterministic_and_counted(damaged, tmp_pa
     assert first.losses() == second.losses()  # the same replacement with 0 or 2 workers
     replaced = [r.get("bad_samples_replaced", 0) for r in first.records() if "loss" in r]
     assert replaced[-1] >= 1  # counted (each epoch serves the bad file once, on one rank)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_replacements_are_counted_by_any_number_of_loader_workers(damaged) -> None:
+    """data.num_workers has no upper bound: workers 0 and 65 of 66 each replace the bad file,
+    and the rank's count says 2; the rank itself replacing it once more makes 3."""
+    from torch.utils.data import DataLoader
+    from dtrain.config import DataConfig
+    from dtrain.data import build, collate
+    root, bad = damaged
+    cfg = DataConfig(name="imagefolder", root=str(root), image_size=32, on_bad_sample="skip")
+    train = build(cfg, seed=0).train
+    bad_index = train.listing.files.index(str(bad.relative_to(root / "train")))
+    good = (bad_index + 1) % len(train)
+    workers = 66
+    keys = [good] * (workers - 1) + [bad_index, bad_index]  # batch k goes to worker k % 66
+    loader = DataLoader(train, batch_size=1, sampler=keys, num_workers=workers, collate_fn=collate,
+                        prefetch_factor=1)
+    labels = [int(labels[0]) for _, labels in loader]
+    assert labels[-2:] == [train.listing.labels[good]] * 2  # the next readable image stood in
+    assert train.replaced_count() == 2
+    train[(0, bad_index)]
+    assert train.replaced_count() == 3
 
 
 # ---------------------------------------------------------------------------------------------

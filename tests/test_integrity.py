@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, Result, kill_tree, launch, wait_for_step
-from test_checkpoint import latest, start
+from conftest import REPO, Result, kill_tree, latest, launch, start, wait_for_step
 
 SAVES = ["ckpt.every_steps=5", "train.eval_every_epochs=0", "ckpt.every_epochs=0"]
 

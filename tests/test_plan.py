@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -35,7 +36,12 @@ def _assert_run_matches_plan(result, overrides: list[str], nproc: int) -> None:
     assert estimate.state_bytes_unsharded == first["state_bytes_unsharded"]
     banner = (result.run_dir / "log.txt").read_text()
     assert f"| {estimate.steps_per_epoch} steps per epoch" in banner
+    assert f"effective batch {estimate.effective_batch} = " in banner
+    assert f"backend {estimate.backend}" in banner and f"world size {estimate.world_size}" in banner
+    assert max(r["step"] for r in result.records()) == estimate.total_steps
     latest = (result.run_dir / "checkpoints" / "latest").read_text().strip()
+    marker = json.loads((result.run_dir / "checkpoints" / latest / "COMPLETE").read_text())
+    assert marker["format"] == estimate.checkpoint_format
     on_disk = _disk_bytes(result.run_dir / "checkpoints" / latest)
     assert abs(estimate.checkpoint_bytes - on_disk) <= max(0.05 * on_disk, 24 * 1024), \
         (estimate.checkpoint_bytes, on_disk)

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, launch, wait_for_step
 
 from dtrain import cli, config, records
-from dtrain.trainer import TrainState
+from dtrain.loop_state import TrainState
 
 
 def read_rows(out_dir: Path) -> dict[str, dict[str, str]]:

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import Result, dtrain, launch
-from test_checkpoint import kill_then_resume, latest
+from conftest import Result, dtrain, kill_then_resume, latest, launch
 
 SEQ = 32
 GPT_ARGS = f"model.args={{dim: 32, depth: 2, heads: 2, seq_len: {SEQ}}}"

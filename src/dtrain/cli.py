@@ -1,7 +1,8 @@
 """The `dtrain` command: train | plan | doctor | export | runs.
 
-Exit codes: 0 success (also after a preemption checkpoint), 2 bad config or input (one clear
-line, no traceback), 1 any other failure.
+The command comes first; its options and `section.key=value` overrides then come in any order.
+Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
+(one clear line, no traceback) and usage errors, 1 any other failure.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtrain import config
+
+Handler = Callable[[argparse.Namespace], int]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -44,7 +47,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dtrain import export
 
-    export.export(args.checkpoint, args.out, args.format)
+    path = args.checkpoint if args.checkpoint is not None else export.newest_checkpoint(args.run)
+    export.export(path, args.out, args.format)
     return 0
 
 
@@ -55,39 +59,64 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _with_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+
+
+def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
+    """Each command's own parser (and its handler): argparse parses intermixed options and
+    positionals only for a parser without subcommands."""
+    commands: dict[str, tuple[argparse.ArgumentParser, Handler]] = {}
+
+    def command(name: str, summary: str, handler: Handler) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=f"dtrain {name}", description=summary)
+        commands[name] = (parser, handler)
+        return parser
+
+    _with_config(command("train", "train (under torchrun, srun or as a single process)", _train))
+    p = command("plan", "what a config will do, before launching it", _plan)
+    _with_config(p)
+    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
+    p.add_argument("--nnodes", type=int, default=1)
+    command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
+    p = command("export", "export a checkpoint's weights for use without dtrain", _export)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="a run directory: its newest checkpoint")
+    source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint folder or file")
+    p.add_argument("--out", metavar="PATH", required=True)
+    p.add_argument(
+        "--format", choices=("state_dict", "torchscript", "exported"), default="state_dict"
+    )
+    p = command("runs", "list past runs", _runs)
+    p.add_argument("--out-dir", default="runs", help="the runs' run.out_dir")
+    return commands
+
+
+def _top_parser(
+    commands: dict[str, tuple[argparse.ArgumentParser, Handler]],
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtrain",
         description="Train PyTorch models with DDP or "
         "FSDP from a YAML config, under torchrun, SLURM or alone.",
+        epilog="'dtrain COMMAND --help' describes a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def with_config(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", help="YAML config file (defaults apply without one)")
-        p.add_argument("overrides", nargs="*", metavar="section.key=value")
-
-    p = sub.add_parser("train", help="train (under torchrun, srun or as a single process)")
-    with_config(p)
-    p.set_defaults(handler=_train)
-    p = sub.add_parser("plan", help="what a config will do, before launching it")
-    with_config(p)
-    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.set_defaults(handler=_plan)
-    p = sub.add_parser("doctor", help="check this machine's PyTorch, devices and backends")
-    p.set_defaults(handler=_doctor)
-    p = sub.add_parser("export", help="export a checkpoint's weights for use without dtrain")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument(
-        "--format", choices=("state_dict", "torchscript", "exported"), default="state_dict"
-    )
-    p.set_defaults(handler=_export)
-    p = sub.add_parser("runs", help="list past runs")
-    p.add_argument("--out-dir", default="runs")
-    p.set_defaults(handler=_runs)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (command_parser, _) in commands.items():
+        sub.add_parser(name, help=command_parser.description, add_help=False)
     return parser
+
+
+def parse(argv: list[str]) -> tuple[Handler, argparse.Namespace]:
+    """The command's handler and its arguments. The first word that is not an option names the
+    command; what follows it is the command's, options and overrides in any order. argparse
+    exits (SystemExit) for --help and for usage errors."""
+    commands = _commands()
+    end = next((i + 1 for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+    name = _top_parser(commands).parse_args(argv[:end]).command
+    parser, handler = commands[name]
+    return handler, parser.parse_intermixed_args(argv[end:])
 
 
 def _print_error(message: str, every_rank: bool = False) -> None:
@@ -104,10 +133,17 @@ def _print_error(message: str, every_rank: bool = False) -> None:
         time.sleep(1.0)
 
 
+def _exit_code(stop: SystemExit) -> int:
+    """The status a SystemExit asks for, as the interpreter would make it (os._exit skips that):
+    None is 0, an int itself, anything else is printed and is 1."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 @record
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] = args.handler
+def _run(handler: Handler, args: argparse.Namespace) -> int:
     from dtrain.checkpoint import CheckpointError
     from dtrain.errors import PeerFailure, TrainingStopped, UserError
 
@@ -121,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
+def main(argv: list[str] | None = None) -> int:
+    try:
+        handler, args = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # argparse has printed the help (0) or the usage error (2)
+        return _exit_code(stop)
+    # torch's `record` hands back None where the command raised SystemExit(0).
+    return _run(handler, args) or 0
+
+
 def entry(argv: list[str] | None = None) -> None:
     """Run the command and leave with its exit code, skipping the interpreter's teardown.
 
@@ -131,8 +176,8 @@ def entry(argv: list[str] | None = None) -> None:
     dtrain flushes what is buffered and ends with os._exit, where no such destructor runs."""
     try:
         code = main(argv)
-    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except SystemExit as stop:  # a command that calls sys.exit
+        code = _exit_code(stop)
     except BaseException:  # noqa: BLE001 - a bug: show it as Python would, then exit 1
         traceback.print_exc()
         code = 1

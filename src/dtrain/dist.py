@@ -12,64 +12,30 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 
+from dtrain import compat
 from dtrain.config import DistConfig
-from dtrain.env import Env, device_index
+from dtrain.env import Env
 from dtrain.errors import UserError
+from dtrain.layout import Layout
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Runtime:
-    """What `init` settled: the device every tensor goes to and the backend in use."""
-
-    env: Env
-    device: torch.device
-    backend: str | None  # None for a single process
-
-
-def pick_device(env: Env) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", device_index(env, torch.cuda.device_count()))
-    if (
-        not env.distributed
-        and getattr(torch.backends, "mps", None)
-        and torch.backends.mps.is_available()
-    ):
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def pick_backend(requested: str, device: torch.device, cpu_collectives: bool = False) -> str:
-    """nccl for CUDA, gloo for the CPU. With `cpu_collectives` (FSDP's CPU offload on GPUs, whose
-    gradient norm and clipping run DTensor collectives on CPU tensors) a group with both:
-    `cpu:gloo,cuda:nccl`."""
-    if requested == "nccl" and device.type != "cuda":
-        raise UserError("config error: dist.backend: nccl needs CUDA devices; use gloo or auto")
-    if requested == "auto":
-        requested = "nccl" if device.type == "cuda" else "gloo"
-    if cpu_collectives and requested == "nccl":
-        return "cpu:gloo,cuda:nccl"
-    return requested
-
-
-def init(env: Env, cfg: DistConfig, cpu_collectives: bool = False) -> Runtime:
-    """Set the device and, for a distributed launch, create the default process group (with a
-    CPU backend beside NCCL when `cpu_collectives`)."""
+def init(layout: Layout, cfg: DistConfig) -> None:
+    """Set the layout's device and, for a distributed launch, create the default process group
+    with the layout's backend."""
+    env = layout.env
     if env.launcher == "torchrun":
         _die_with_agent()
-    device = pick_device(env)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if layout.device.type == "cuda":
+        torch.cuda.set_device(layout.device)
     if not env.distributed:
-        return Runtime(env=env, device=device, backend=None)
-    backend = pick_backend(cfg.backend, device, cpu_collectives)
+        return
     # env:// reads these; srun does not set them, torchrun does (setdefault keeps torchrun's).
     for name, value in (
         ("MASTER_ADDR", env.master_addr),
@@ -81,16 +47,15 @@ def init(env: Env, cfg: DistConfig, cpu_collectives: bool = False) -> Runtime:
         os.environ.setdefault(name, value)
     init_timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
     torch_dist.init_process_group(
-        backend=backend,
+        backend=layout.backend,
         timeout=init_timeout,
-        device_id=device if device.type == "cuda" else None,
+        device_id=layout.device if layout.device.type == "cuda" else None,
         **_store_of_this_attempt(env, init_timeout),
     )
     # The rendezvous may be slow (nodes starting at different times); the first collective
     # proves every rank arrived, after which the training timeout applies.
     barrier()
-    _set_timeout(cfg.timeout_s)
-    return Runtime(env=env, device=device, backend=backend)
+    compat.set_default_timeout(datetime.timedelta(seconds=cfg.timeout_s))
 
 
 def _store_of_this_attempt(env: Env, timeout: datetime.timedelta) -> dict[str, Any]:
@@ -128,18 +93,8 @@ def _die_with_agent() -> None:
     threading.Thread(target=watch, name="dtrain-agent-watchdog", daemon=True).start()
 
 
-def _set_timeout(seconds: float) -> None:
-    timeout = datetime.timedelta(seconds=seconds)
-    if hasattr(torch_dist, "set_timeout"):
-        torch_dist.set_timeout(timeout)
-    else:  # torch < 2.8
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timeout)
-
-
 def shutdown() -> None:
-    if torch_dist.is_available() and torch_dist.is_initialized():
+    if is_distributed():
         torch_dist.destroy_process_group()
 
 
@@ -214,28 +169,32 @@ def on_main(fn: Callable[[], T]) -> T:
     return result
 
 
-_COLLECTIVE_FAILURE_SIGNS = (
-    "Timed out",
-    "timed out",
-    "Connection closed",
-    "Connection reset",
+# torch's typed failures of a collective or of the rendezvous store: NCCL's errors and timeouts,
+# a broken connection to the store, a store that does not answer.
+_TYPED_FAILURES = (
+    torch_dist.DistBackendError,
+    torch_dist.DistNetworkError,
+    torch_dist.DistStoreError,
+)
+# gloo raises a plain RuntimeError (torch 2.14): for a lost peer "[.../gloo/transport/tcp/pair.cc]
+# Connection closed by peer", for a stalled one "Timed out waiting 10000ms for recv operation to
+# complete", and on the next collective after a timeout "Application timeout caused pair closure".
+_GLOO_FAILURE_SIGNS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
     "Broken pipe",
-    "NCCL",
-    "gloo",
-    "ProcessGroup",
-    "peer",
+    "Timed out waiting",
+    "caused pair closure",
 )
 
 
 def is_collective_failure(error: BaseException) -> bool:
     """Whether `error` is a collective that failed because of another rank (a timeout, a closed
     connection), as opposed to a bug of this rank's own."""
-    backend_error = getattr(torch_dist, "DistBackendError", ())
-    if backend_error and isinstance(error, backend_error):
+    if isinstance(error, _TYPED_FAILURES):
         return True
-    return isinstance(error, RuntimeError) and any(
-        s in str(error) for s in _COLLECTIVE_FAILURE_SIGNS
-    )
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _GLOO_FAILURE_SIGNS)
 
 
 def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> list[int] | None:
@@ -243,7 +202,7 @@ def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> list[int] | None:
     within `wait_s` (the stalled or dead ones). Every rank whose collective failed reports itself.
     None when the store itself is gone (its host, rank 0's agent, died)."""
     try:
-        store = torch_dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
         store.set(f"dtrain/alive/{tag}/{rank()}", "1")
         deadline = time.monotonic() + wait_s
         missing = list(range(world_size()))
@@ -266,7 +225,7 @@ def announce_abort(message: str) -> None:
     if not is_distributed():
         return
     try:
-        torch_dist.distributed_c10d._get_default_store().set(_ABORT_KEY, message)
+        compat.default_store().set(_ABORT_KEY, message)
     except Exception:  # noqa: BLE001 - the store may be gone already
         pass
 
@@ -274,7 +233,7 @@ def announce_abort(message: str) -> None:
 def abort_message(wait_s: float = 1.0) -> str | None:
     """The message another rank announced before it stopped, if any (waiting up to `wait_s`)."""
     try:
-        store = torch_dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
         deadline = time.monotonic() + wait_s
         while True:
             if store.check([_ABORT_KEY]):

@@ -18,3 +18,10 @@ class PeerFailure(Exception):
     every rank that saw it (it is not the same on all ranks)."""
 
     exit_code = 1
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none: what a
+    one-line report shows of an exception."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,8 +1,10 @@
 """`dtrain export`: a checkpoint's model as a file that loads without dtrain, checked on a batch.
 
-Formats: `state_dict` (plain tensors by parameter name, from full and sharded checkpoints alike),
-`torchscript` (torch.jit.trace) and `exported` (torch.export). After writing, the file is loaded
-back the way a user would and its outputs are compared with the checkpoint's model on a batch.
+A checkpoint is named by its path (`--checkpoint`) or by its run directory (`--run`: the newest
+complete checkpoint there). Formats: `state_dict` (plain tensors by parameter name, from full and
+sharded checkpoints alike), `torchscript` (torch.jit.trace) and `exported` (torch.export). After
+writing, the file is loaded back the way a user would and its outputs are compared with the
+checkpoint's model on a batch.
 """
 
 from __future__ import annotations
@@ -14,11 +16,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import checkpoint, config, models, tasks
+from dtrain import checkpoint, compat, config, models, tasks
 from dtrain.checkpoint.state import read_sharded
-from dtrain.errors import UserError
+from dtrain.errors import UserError, first_line
 
 TOLERANCE = 1e-5
+
+
+def newest_checkpoint(run_dir: str) -> str:
+    """The folder of the run directory's newest complete checkpoint: the last one saved, as
+    resuming counts it (not the largest step in a name)."""
+    store = checkpoint.Store(run_dir)
+    if not os.path.isdir(store.dir):
+        raise UserError(
+            f"export error: --run {run_dir}: not a run directory ({store.dir} does not "
+            f"exist); name a checkpoint itself with --checkpoint PATH"
+        )
+    saved = store.complete()
+    if not saved:
+        raise UserError(f"export error: --run {run_dir}: no complete checkpoint in {store.dir}")
+    return saved[0].path
 
 
 def load_model(path: str) -> tuple[nn.Module, dict]:
@@ -39,7 +56,7 @@ def load_model(path: str) -> tuple[nn.Module, dict]:
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
-        raise UserError(f"checkpoint error: {path}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"checkpoint error: {path}: {first_line(e)}") from None
     return model.eval(), meta
 
 
@@ -53,7 +70,7 @@ def example_input(meta: dict, size: int = 4) -> Any:
 
 def _difference(a: Any, b: Any) -> float:
     """The largest difference between the tensors of two outputs (tensors, tuples, dicts, ...)."""
-    left, right = tasks.leaves(a), tasks.leaves(b)
+    left, right = compat.tensor_leaves(a), compat.tensor_leaves(b)
     tensors = [(x, y) for x, y in zip(left, right, strict=False) if isinstance(x, torch.Tensor)]
     if len(left) != len(right) or not tensors:
         return float("inf")

@@ -7,6 +7,7 @@ every rank starts from the same weights.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain import registry
 from dtrain.config import ModelConfig
 from dtrain.errors import UserError
-from dtrain.imports import is_import_path, load_callable
+from dtrain.imports import load_callable
 
 
 class ConvBlock(nn.Sequential):
@@ -241,14 +243,6 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-CLASSIFIERS: dict[str, Callable[..., nn.Module]] = {
-    "simple_cnn": SimpleCNN,
-    "resnet_small": ResNetSmall,
-    "transformer": TransformerClassifier,
-}
-BUILTINS = (*CLASSIFIERS, "gpt")
-
-
 def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:
     """What rebuilding the model needs besides its config: the datasets' info, with the number
     of classes of the config when it sets one (saved in checkpoints for `dtrain export`)."""
@@ -256,58 +250,85 @@ def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
-    """The model named by `model.name`, initialised identically on every rank from `seed`.
-    `info` is what the datasets say (number of classes, channels, image size, vocabulary, ...)."""
+    """The model named by `model.name` (see registry.MODELS), initialised identically on every
+    rank from `seed`. `info` is what the datasets say (number of classes, channels, image size,
+    vocabulary, ...)."""
+    builder = registry.MODELS.builder(cfg.name)
     torch.manual_seed(seed)
-    args: dict[str, Any] = dict(cfg.args)
     try:
-        if cfg.name == "gpt":
-            for key in ("vocab_size", "seq_len"):
-                if key not in args and key not in info:
-                    raise UserError(
-                        f"config error: model.args.{key}: the data does not say it "
-                        f"(data.name: text does); set model.args.{key}"
-                    )
-                args.setdefault(key, info.get(key))
-            return GPT(**args)
-        if cfg.name in CLASSIFIERS or cfg.name.startswith("tv:"):
-            num_classes = cfg.num_classes or info.get("num_classes")
-            if not num_classes:
-                raise UserError(
-                    "config error: model.num_classes: the dataset does not say how "
-                    "many classes it has; set model.num_classes"
-                )
-            if cfg.name.startswith("tv:"):
-                return _torchvision(cfg.name[3:], num_classes, args)
-            if cfg.name == "transformer":
-                args.setdefault("image_size", info.get("image_size", 32))
-            return CLASSIFIERS[cfg.name](
-                num_classes=num_classes, in_channels=info.get("in_channels", 3), **args
-            )
-        if is_import_path(cfg.name):
-            model = load_callable(cfg.name, "model.name")(cfg)
-            if not isinstance(model, nn.Module):
-                raise UserError(
-                    f"config error: model.name: {cfg.name} returned "
-                    f"{type(model).__name__}, not an nn.Module"
-                )
-            return model
+        return builder(cfg, info)
     except TypeError as e:
         raise UserError(f"config error: model.args: {e}") from None
-    raise UserError(
-        f"config error: model.name: unknown model '{cfg.name}'; use one of "
-        f"{', '.join(BUILTINS)}, tv:NAME or module:function"
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders, by registry.MODELS: (model config, datasets' info) -> nn.Module
+
+
+def _num_classes(cfg: ModelConfig, info: dict[str, Any]) -> int:
+    num_classes = cfg.num_classes or info.get("num_classes")
+    if not num_classes:
+        raise UserError(
+            "config error: model.num_classes: the dataset does not say how "
+            "many classes it has; set model.num_classes"
+        )
+    return num_classes
+
+
+def _classifier(
+    cls: Callable[..., nn.Module], cfg: ModelConfig, info: dict[str, Any], **defaults: Any
+) -> nn.Module:
+    return cls(
+        num_classes=_num_classes(cfg, info),
+        in_channels=info.get("in_channels", 3),
+        **{**defaults, **cfg.args},
     )
 
 
-def _torchvision(name: str, num_classes: int, args: dict) -> nn.Module:
+def build_simple_cnn(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    return _classifier(SimpleCNN, cfg, info)
+
+
+def build_resnet_small(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    return _classifier(ResNetSmall, cfg, info)
+
+
+def build_transformer(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    return _classifier(TransformerClassifier, cfg, info, image_size=info.get("image_size", 32))
+
+
+def build_gpt(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    args: dict[str, Any] = dict(cfg.args)
+    for key in ("vocab_size", "seq_len"):
+        if key not in args and key not in info:
+            raise UserError(
+                f"config error: model.args.{key}: the data does not say it "
+                f"(data.name: text does); set model.args.{key}"
+            )
+        args.setdefault(key, info.get(key))
+    return GPT(**args)
+
+
+def build_user(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """A user's model builder by import path, called with the model config."""
+    model = load_callable(cfg.name, "model.name")(cfg)
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"config error: model.name: {cfg.name} returned "
+            f"{type(model).__name__}, not an nn.Module"
+        )
+    return model
+
+
+def build_torchvision(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """`tv:NAME`: torchvision's classifier NAME, untrained, with the data's number of classes."""
     import torchvision
 
+    name = cfg.name.removeprefix("tv:")
+    num_classes = _num_classes(cfg, info)
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        import difflib
-
         close = difflib.get_close_matches(name, available, n=1)
         hint = f" (did you mean 'tv:{close[0]}'?)" if close else ""
         raise UserError(f"config error: model.name: torchvision has no model '{name}'{hint}")
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **args)
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **cfg.args)

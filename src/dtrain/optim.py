@@ -10,17 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain import compat, registry
 from dtrain.config import OptimConfig, SchedConfig
 from dtrain.errors import UserError
-from dtrain.imports import is_import_path, load_callable
-
-NORMS = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
+from dtrain.imports import load_callable
+from dtrain.tasks import improves
 
 
 def no_decay_names(model: nn.Module, rule: Any) -> set[str]:
@@ -32,7 +26,11 @@ def no_decay_names(model: nn.Module, rule: Any) -> set[str]:
         for name, _ in module.named_parameters(recurse=False):
             full = f"{module_name}.{name}" if module_name else name
             if rule == "auto":
-                if name == "bias" or isinstance(module, (*NORMS, nn.Embedding)) or "embed" in name:
+                if (
+                    name == "bias"
+                    or isinstance(module, (*compat.NORM_LAYERS, nn.Embedding))
+                    or "embed" in name
+                ):
                     names.add(full)
             elif any(fnmatch.fnmatchcase(full, pattern) for pattern in rule):
                 names.add(full)
@@ -67,33 +65,57 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Built after wrapping, so that under FSDP it holds the sharded parameters."""
-    groups = param_groups(model, cfg)
-    if is_import_path(cfg.name):
-        optimizer = load_callable(cfg.name, "optim.name")(groups, cfg)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserError(
-                f"config error: optim.name: {cfg.name} returned "
-                f"{type(optimizer).__name__}, not a torch.optim.Optimizer"
-            )
-        return optimizer
-    # Fused kernels where torch has them for these parameters: one kernel per step, and a step
-    # that a device flag (found_inf) can skip, so that a non-finite step is decided on the
-    # device. torch has no DTensor rule for fused SGD: SGD under FSDP uses foreach.
-    fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
-    if cfg.name == "sgd":
-        sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])
-        return torch.optim.SGD(
-            groups,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            fused=fused and not sharded or None,
-        )
+    """The optimizer named by `optim.name` (see registry.OPTIMIZERS). Built after wrapping, so
+    that under FSDP it holds the sharded parameters."""
+    return registry.OPTIMIZERS.builder(cfg.name)(param_groups(model, cfg), cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers, by registry.OPTIMIZERS: (parameter groups, optim config) -> Optimizer
+#
+# Fused kernels where torch has them for these parameters: one kernel per step, and a step that
+# a device flag (found_inf) can skip, so that a non-finite step is decided on the device.
+
+
+def _fused(groups: list[dict[str, Any]]) -> bool | None:
+    return all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"]) or None
+
+
+def sgd(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    # torch has no DTensor rule for fused SGD: SGD under FSDP uses foreach.
+    sharded = any(hasattr(p, "to_local") for g in groups for p in g["params"])
+    return torch.optim.SGD(
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        fused=None if sharded else _fused(groups),
+    )
+
+
+def adam(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-    if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=_fused(groups))
+
+
+def adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=_fused(groups))
+
+
+def build_user_optimizer(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """A user's optimizer by import path, called with the parameter groups and the config."""
+    optimizer = load_callable(cfg.name, "optim.name")(groups, cfg)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"config error: optim.name: {cfg.name} returned "
+            f"{type(optimizer).__name__}, not a torch.optim.Optimizer"
+        )
+    return optimizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules, by registry.SCHEDULES: (optimizer, sched config, base_lr, total_steps, monitor_mode)
 
 
 class LRSchedule:
@@ -142,10 +164,7 @@ class LRSchedule:
         """Plateau: decay after `patience` evaluations without the monitored metric improving."""
         if self.cfg.name != "plateau" or value is None:
             return
-        better = self.plateau_best is None or (
-            value > self.plateau_best if self.monitor_mode == "max" else value < self.plateau_best
-        )
-        if better:
+        if improves(value, self.plateau_best, self.monitor_mode):
             self.plateau_best, self.plateau_bad_evals = value, 0
             return
         self.plateau_bad_evals += 1
@@ -177,8 +196,15 @@ class UserSchedule:
     anything with step(), state_dict() and load_state_dict()), stepped once per optimizer step."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, cfg: SchedConfig, total_steps: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        cfg: SchedConfig,
+        base_lr: float,
+        total_steps: int,
+        monitor_mode: str = "max",
     ) -> None:
+        # base_lr and monitor_mode are the built-in schedules' business: the user's scheduler
+        # reads its own settings from the config.
         self.total_steps = max(1, total_steps)
         self.scheduler = load_callable(cfg.name, "sched.name")(optimizer, cfg, self.total_steps)
         missing = [
@@ -220,7 +246,8 @@ def build_schedule(
     base_lr: float,
     total_steps: int,
     monitor_mode: str,
-) -> Any:
-    if is_import_path(cfg.name):
-        return UserSchedule(optimizer, cfg, total_steps)
-    return LRSchedule(optimizer, cfg, base_lr, total_steps, monitor_mode)
+) -> LRSchedule | UserSchedule:
+    """The schedule named by `sched.name` (see registry.SCHEDULES)."""
+    return registry.SCHEDULES.builder(cfg.name)(
+        optimizer, cfg, base_lr=base_lr, total_steps=total_steps, monitor_mode=monitor_mode
+    )

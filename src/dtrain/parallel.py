@@ -16,10 +16,10 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtrain import host_memory, models, sharded_init
+from dtrain import dist, host_memory, models, sharded_init
 from dtrain.config import Config
-from dtrain.dist import Runtime
 from dtrain.errors import UserError
+from dtrain.layout import Layout
 from dtrain.observe import log
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -102,7 +102,7 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed.nn.functional as dist_nn
 
-        if not self.training or not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        if not self.training or dist.world_size() == 1:
             return super().forward(x)
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
@@ -155,7 +155,7 @@ def average_buffers(model: nn.Module) -> None:
     """Make every rank's floating-point buffers (BatchNorm's running statistics) the mean over
     the ranks, in one all-reduce: without sync_batchnorm each rank's statistics follow its own
     batches, and evaluation and checkpoints must not depend on which rank's copy they see."""
-    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+    if dist.world_size() == 1:
         return
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if not buffers:
@@ -169,7 +169,7 @@ def average_buffers(model: nn.Module) -> None:
         offset += b.numel()
 
 
-def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Module, int, list[str]]:
+def build(cfg: Config, info: dict[str, Any], layout: Layout) -> tuple[nn.Module, int, list[str]]:
     """The model for the run, wrapped for the parallel mode; its number of parameters; and a
     note for the banner on how it was built.
 
@@ -180,18 +180,18 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
 
     def construct() -> nn.Module:
         model = models.build(cfg.model, info, cfg.run.seed)
-        if cfg.parallel.sync_batchnorm and runtime.env.distributed and cfg.parallel.mode != "none":
-            model = convert_sync_batchnorm(model, runtime.device)
+        if cfg.parallel.sync_batchnorm and layout.mode != "none":
+            model = convert_sync_batchnorm(model, layout.device)
         return model
 
-    if cfg.parallel.mode != "fsdp" or not runtime.env.distributed:
+    if not layout.is_fsdp:
         model = construct()
-        return wrap(model, cfg, runtime), _count(model), []
+        return wrap(model, cfg, layout), _count(model), []
     memory_note = host_memory.return_freed_memory()
     notes = [memory_note] if memory_note else []
-    shards, index = shard_layout(cfg)
+    shards = layout.shards
     try:
-        model, params, buffers = sharded_init.build_local(construct, shards, index)
+        model, params, buffers = sharded_init.build_local(construct, shards, layout.shard_index)
     except sharded_init.NotReplayable as e:
         log.warning(
             f"model {cfg.model.name}: its construction cannot be replayed shard by shard "
@@ -199,13 +199,13 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
         )
         model = construct()
         return (
-            wrap(model, cfg, runtime),
+            wrap(model, cfg, layout),
             _count(model),
             [f"model built whole on every rank, then sharded ({e})", *notes],
         )
     count = _count(model)
-    wrapped = wrap(model, cfg, runtime, on_meta=True)
-    wrapped.to_empty(device=runtime.device)
+    wrapped = wrap(model, cfg, layout, on_meta=True)
+    wrapped.to_empty(device=layout.device)
     sharded_init.materialize(wrapped, params, buffers)
     return (
         wrapped,
@@ -218,34 +218,19 @@ def build(cfg: Config, info: dict[str, Any], runtime: Runtime) -> tuple[nn.Modul
     )
 
 
-def shard_layout(cfg: Config) -> tuple[int, int]:
-    """How many shards FSDP cuts each parameter into, and which one this rank holds: the last
-    dimension of the (replicas, shards) mesh."""
-    world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
-    replicas = cfg.parallel.fsdp.hybrid_replicas
-    if world % replicas:
-        raise UserError(
-            f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
-            f"the world size {world}"
-        )
-    shards = world // replicas
-    return shards, rank % shards
-
-
 def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False) -> nn.Module:
+def wrap(model: nn.Module, cfg: Config, layout: Layout, on_meta: bool = False) -> nn.Module:
     """Move the model to the device (unless it is on the meta device, to be materialised after
     sharding) and apply the per-block features and the parallel mode."""
     if not on_meta:
-        model.to(runtime.device)
+        model.to(layout.device)
     if cfg.model.channels_last:
         model.to(memory_format=torch.channels_last)
-    mode = cfg.parallel.mode
     wrap_classes = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    needs_blocks = mode == "fsdp" or cfg.model.activation_checkpointing or cfg.model.compile
+    needs_blocks = layout.is_fsdp or cfg.model.activation_checkpointing or cfg.model.compile
     blocks = find_blocks(model, wrap_classes) if needs_blocks else []
     if needs_blocks and not blocks:
         blocks = [model]
@@ -256,9 +241,9 @@ def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False)
     if cfg.model.compile:
         for block in blocks:
             block.compile()
-    if mode == "none" or not runtime.env.distributed:
+    if layout.mode == "none":
         return model
-    if mode == "ddp":
+    if layout.mode == "ddp":
         ddp = cfg.parallel.ddp
         # torch 2.13 renamed broadcast_buffers to forward_sync_buffers.
         sync_buffers = (
@@ -268,32 +253,30 @@ def wrap(model: nn.Module, cfg: Config, runtime: Runtime, on_meta: bool = False)
         )
         return DDP(
             model,
-            device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+            device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
             bucket_cap_mb=ddp.bucket_cap_mb,
             find_unused_parameters=ddp.find_unused_parameters,
             static_graph=ddp.static_graph,
             gradient_as_bucket_view=ddp.gradient_as_bucket_view,
             **{sync_buffers: ddp.broadcast_buffers},
         )
-    return _fully_shard(model, blocks, cfg, runtime)
+    return _fully_shard(model, blocks, cfg, layout)
 
 
 def _fully_shard(
-    model: nn.Module, blocks: list[nn.Module], cfg: Config, runtime: Runtime
+    model: nn.Module, blocks: list[nn.Module], cfg: Config, layout: Layout
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     fsdp = cfg.parallel.fsdp
-    shards, _ = shard_layout(cfg)
-    replicas = torch_dist.get_world_size() // shards
-    device_type = runtime.device.type
-    if replicas > 1:
+    device_type = layout.device.type
+    if layout.replicas > 1:
         mesh = init_device_mesh(
-            device_type, (replicas, shards), mesh_dim_names=("replicate", "shard")
+            device_type, (layout.replicas, layout.shards), mesh_dim_names=("replicate", "shard")
         )
     else:
-        mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device_type, (layout.shards,), mesh_dim_names=("shard",))
     if fsdp.cpu_offload and device_type != "cuda":
         raise UserError(
             "config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "

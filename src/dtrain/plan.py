@@ -14,10 +14,8 @@ volumes are estimates.
 
 from __future__ import annotations
 
-import copy
-import math
+import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +23,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from dtrain import data, models, parallel, tasks
+from dtrain import data, footprint, models, parallel, tasks
+from dtrain import layout as layout_mod
 from dtrain.config import Config, dump
-from dtrain.env import Env
-from dtrain.errors import UserError
+from dtrain.env import Env, device_index
+from dtrain.errors import UserError, first_line
+from dtrain.footprint import activation_bytes, checkpoint_size, state_bytes
 from dtrain.imports import is_import_path
+from dtrain.layout import Layout
 
 # Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
 KNOWN_DATASETS = {
@@ -37,14 +38,6 @@ KNOWN_DATASETS = {
     "mnist": (60000, 10000, 1, 28, 10),
     "fashion_mnist": (60000, 10000, 1, 28, 10),
 }
-# RNG states (~15 KiB per rank), the resolved config and the small training state in a checkpoint.
-CHECKPOINT_META_BYTES_PER_RANK = 16 * 1024
-# Container overhead per stored tensor: an entry in checkpoint.pt's zip ("full"), or a torch.save
-# of its own in a .distcp file plus its line in DCP's .metadata ("sharded"). It matters only for
-# small models, where it can double the size.
-FULL_BYTES_PER_TENSOR = 270
-DCP_BYTES_PER_ITEM = 1800
-_ADAM_STEP_BYTES = 4  # Adam's per-parameter `step` is a float32 scalar tensor, never sharded
 
 
 class _SizeOnly(Dataset):
@@ -104,6 +97,7 @@ class Plan:
     checkpoint_format: str
     checkpoint_bytes: int
     checkpoints_kept: int
+    fsdp_shards: int
     memory: list[Memory]
     comm_bytes: dict[str, int]  # mode -> bytes sent per rank per optimizer step
     state_bytes_unsharded: int
@@ -183,208 +177,26 @@ def _dataset_shapes(cfg: Config) -> data.Datasets:
 
 
 # ---------------------------------------------------------------------------------------------
-# State: parameters, gradients, optimizer state per rank
-
-
-def _shard_rows(rows: int, shards: int, rank: int) -> int:
-    """Rows of a dim-0 size `rows` that `rank` holds when FSDP2 splits it over `shards` ranks."""
-    chunk = math.ceil(rows / shards)
-    return max(0, min(chunk, rows - rank * chunk))
-
-
-def _local_bytes(p: torch.Tensor, shards: int, rank: int) -> int:
-    if shards == 1 or p.dim() == 0:
-        return p.numel() * p.element_size()
-    per_row = p.numel() // p.shape[0] if p.shape[0] else 0
-    return _shard_rows(p.shape[0], shards, rank) * per_row * p.element_size()
-
-
-def _optimizer_slots(cfg: Config) -> int:
-    """Tensors of a parameter's size that the optimizer keeps per parameter."""
-    if cfg.optim.name == "sgd":
-        return 1 if cfg.optim.momentum != 0 else 0
-    return 2  # Adam / AdamW: first and second moments
-
-
-def state_bytes(model: nn.Module, cfg: Config, shards: int, rank: int = 0) -> dict[str, int]:
-    """The bytes `run.state_bytes` measures after the first step, computed from shapes:
-    params, grads, optimizer and their total for `rank` of `shards`, and 'unsharded'."""
-    slots = _optimizer_slots(cfg)
-    adam = cfg.optim.name in ("adam", "adamw")
-    totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
-    for p in model.parameters():
-        local, full = _local_bytes(p, shards, rank), p.numel() * p.element_size()
-        totals["params"] += local
-        totals["unsharded"] += full
-        if not p.requires_grad:
-            continue
-        totals["grads"] += local
-        totals["optimizer"] += slots * local + (_ADAM_STEP_BYTES if adam else 0)
-        totals["unsharded"] += full + slots * full + (_ADAM_STEP_BYTES if adam else 0)
-    totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
-    return totals
-
-
-def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> int:
-    """Bytes of one checkpoint on disk: model state, optimizer state, their container overhead
-    ("full" when `shards` is 1, DCP pieces from every rank holding a shard otherwise), and the
-    per-rank metadata."""
-    slots = _optimizer_slots(cfg)
-    adam = cfg.optim.name in ("adam", "adamw")
-    data_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    data_bytes += sum(slots * p.numel() * p.element_size() for p in trainable)
-    data_bytes += _ADAM_STEP_BYTES * len(trainable) if adam else 0
-    meta = CHECKPOINT_META_BYTES_PER_RANK * world
-    per_param_tensors = slots + (1 if adam else 0)
-    if shards == 1:
-        count = len(model.state_dict()) + per_param_tensors * len(trainable)
-        return data_bytes + count * FULL_BYTES_PER_TENSOR + meta
-
-    def pieces(t: torch.Tensor) -> int:  # ranks with a non-empty shard of a parameter
-        return sum(1 for r in range(shards) if _local_bytes(t, shards, r)) if t.dim() else 1
-
-    params = dict(model.named_parameters())
-    count = sum(pieces(t) if name in params else 1 for name, t in model.state_dict().items())
-    count += sum(slots * pieces(p) + (1 if adam else 0) for p in trainable)
-    # the optimizer's hyperparameters are stored as items too, one per key of its param group
-    from dtrain.optim import build_optimizer
-
-    count += len(build_optimizer(model, cfg.optim).param_groups[0])
-    return data_bytes + count * DCP_BYTES_PER_ITEM + meta
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations: what autograd saves for the backward, traced on fake tensors
-
-
-@dataclass
-class _Saved:
-    """Bytes saved for backward by one forward: outside any block, per block, and the blocks'
-    inputs (what activation checkpointing keeps instead of the block's own)."""
-
-    outside: int
-    per_block: list[int]
-    block_inputs: int
-
-    def retained(self, checkpointing: bool) -> int:
-        if checkpointing and self.per_block:
-            # Kept: block inputs; at the peak, one block's activations are recomputed.
-            return self.outside + self.block_inputs + max(self.per_block)
-        return self.outside + sum(self.per_block)
-
-
-def _trace_saved(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    x: torch.Tensor,
-    autocast_dtype: torch.dtype | None,
-) -> _Saved:
-    """One forward of `x` (fake tensors, under an active FakeTensorMode), adding up the tensors
-    autograd saves and which block saved them. Parameters and views of them are not counted."""
-    param_ids = {id(p) for p in model.parameters()}
-    seen: dict[int, tuple[torch.Tensor, int, int]] = {}  # holds the tensors so that ids stay unique
-    current, inputs = [-1], [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in param_ids and id(base) not in seen:
-            seen[id(base)] = (base, base.numel() * base.element_size(), current[0])
-        return t
-
-    def enter(index: int) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
-            current[0] = index
-            inputs[0] += sum(
-                a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
-            )
-
-        return hook
-
-    def leave(module: nn.Module, args: tuple, output: object) -> None:
-        current[0] = -1
-
-    handles = [
-        h
-        for i, b in enumerate(blocks)
-        for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))
-    ]
-    autocast = torch.autocast(
-        "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
-    )
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    per_block = [0] * len(blocks)
-    outside = 0
-    for _, size, where in seen.values():
-        if where < 0:
-            outside += size
-        else:
-            per_block[where] += size
-    return _Saved(outside, per_block, inputs[0])
-
-
-def activation_bytes(
-    meta_model: nn.Module, cfg: Config, example: Callable[[int], Any], low: torch.dtype
-) -> dict[str, int]:
-    """Saved-for-backward bytes of one micro-batch of `data.batch_size`, for 'fp32', 'autocast'
-    (DDP's mixed precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs
-    in `low`). Two traced forwards (2 and 4 samples) separate what grows with the batch from what
-    does not (autocast's copies of the weights); 2, not 1, because BatchNorm refuses one sample."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # shapes and dtypes only, no memory
-
-    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    checkpointing = cfg.model.activation_checkpointing
-    results = {}
-    for weights, kinds in ((torch.float32, ("fp32", "autocast")), (low, ("cast",))):
-        model = copy.deepcopy(meta_model).to(weights)
-        blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu").train()
-            for kind in kinds:
-                autocast = low if kind == "autocast" else None
-                two, four = (
-                    _trace_saved(model, blocks, _cast(example(n), weights), autocast).retained(
-                        checkpointing
-                    )
-                    for n in (2, 4)
-                )
-                per_sample = (four - two) / 2
-                results[kind] = int(two - 2 * per_sample + per_sample * cfg.data.batch_size)
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
 # Putting it together
 
 
-def _device(nproc: int, world: int) -> tuple[str, int, list[str]]:
-    """The device a rank gets (as dist.pick_device), the memory it may use, and warnings."""
-    warnings = []
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if nproc > count:
-            warnings.append(
-                f"{nproc} ranks per node but {count} GPU(s) visible: the run will stop "
-                f"with a device error; use --nproc_per_node={count} or fewer"
-            )
-        props = torch.cuda.get_device_properties(0)
-        return f"cuda ({props.name})", props.total_memory, warnings
+def _device_memory(layout: Layout) -> tuple[str, int, list[str]]:
+    """The device rank 0 of the layout gets, described; the memory one rank may use; warnings
+    for a launch the run would refuse (more ranks on a node than GPUs)."""
+    device, nproc = layout.device, layout.ranks_per_node
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if world == 1 and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps", ram, warnings
-    return "cpu", ram // nproc, warnings  # the node's ranks share its RAM
-
-
-def _cast(inputs: Any, dtype: torch.dtype) -> Any:
-    """Floating-point inputs in the weights' dtype (token ids stay integers)."""
-    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
-        return inputs.to(dtype)
-    return inputs
+    if device.type == "mps":
+        return "mps", ram, []
+    if device.type != "cuda":
+        return "cpu", ram // nproc, []  # the node's ranks share its RAM
+    warnings = []
+    last_rank = dataclasses.replace(layout.env, local_rank=nproc - 1)
+    try:
+        device_index(last_rank, torch.cuda.device_count())
+    except UserError as e:
+        warnings.append(f"{str(e).removeprefix('device error: ')}: the run will stop there")
+    props = torch.cuda.get_device_properties(0)
+    return f"cuda ({props.name})", props.total_memory, warnings
 
 
 def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
@@ -392,40 +204,8 @@ def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
         return models.build(cfg.model, shapes.info, cfg.run.seed)
 
 
-def _fsdp_shards(cfg: Config, world: int) -> int:
-    replicas = cfg.parallel.fsdp.hybrid_replicas
-    if world % replicas:
-        raise UserError(
-            f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide "
-            f"the world size {world}"
-        )
-    return world // replicas
-
-
 def _param_bytes(modules: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-
-
-def _steps(cfg: Config, shapes: data.Datasets, world: int) -> tuple[int, int]:
-    """Optimizer steps per epoch and in total, counted by the run's own loaders and sampler."""
-    train_loader = data.loaders(
-        shapes.train,
-        shapes.val,
-        cfg.data,
-        cfg.run.seed,
-        0,
-        world,
-        torch.device("cpu"),
-        cfg.train.overfit_batches,
-    )[0]
-    per_epoch = len(train_loader) // cfg.train.grad_accum
-    if per_epoch < 1:
-        raise UserError(
-            f"data error: an epoch has {len(train_loader)} batches per rank, fewer "
-            f"than train.grad_accum={cfg.train.grad_accum}; lower one of them"
-        )
-    total = cfg.train.epochs * per_epoch
-    return per_epoch, min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
 def _activations(
@@ -448,7 +228,7 @@ def _activations(
         note = ""
     except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
         traced = {"fp32": None, "autocast": None, "cast": None}
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         note = f"activations not estimated: the forward could not be traced ({first[:120]})"
     return {
         ("ddp", "fp32"): traced["fp32"],
@@ -456,29 +236,6 @@ def _activations(
         ("ddp", low): traced["autocast"],
         ("fsdp", low): traced["cast"],
     }, note
-
-
-def _communication(
-    cfg: Config, world: int, shards: int, trainable: int, root: int, blocks: int
-) -> dict[str, int]:
-    """Bytes each rank sends per optimizer step with ring collectives: DDP all-reduces the fp32
-    gradients once; FSDP all-gathers parameters in the compute precision for every micro-batch's
-    forward (and again for its backward when it reshards after forward) and reduce-scatters the
-    fp32 gradients once; HSDP adds an all-reduce of the shards across replicas."""
-    comm = {"ddp": 0, "fsdp": 0}
-    if world == 1:
-        return comm
-    comm["ddp"] = int(2 * (world - 1) / world * trainable)
-    if shards > 1:
-        itemsize = 4 if cfg.train.precision == "fp32" else 2
-        gathered = root + blocks * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
-        comm["fsdp"] = int(
-            (shards - 1) / shards * (cfg.train.grad_accum * gathered * itemsize // 4 + trainable)
-        )
-    replicas = world // shards
-    if replicas > 1:
-        comm["fsdp"] += int(2 * (replicas - 1) / replicas * trainable / shards)
-    return comm
 
 
 def _too_big(plan: Plan) -> str | None:
@@ -505,14 +262,8 @@ def _too_big(plan: Plan) -> str | None:
     )
 
 
-def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
-    """Everything `report` prints, as numbers."""
-    from dtrain.run import check_layout
-
-    if nproc is None:
-        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    if nproc < 1 or nnodes < 1:
-        raise UserError("plan error: --nproc and --nnodes must be >= 1")
+def _launch(cfg: Config, nproc: int, nnodes: int, mode: str | None = None) -> Layout:
+    """The layout of rank 0 of a launch of `nnodes` x `nproc` ranks (in `mode` if given)."""
     world = nproc * nnodes
     env = Env(
         launcher="torchrun" if world > 1 else "single",
@@ -520,19 +271,28 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         local_world_size=nproc,
         num_nodes=nnodes,
     )
-    check_layout(cfg, env)
-    device, device_bytes, warnings = _device(nproc, world)
-    from dtrain.dist import pick_backend
+    if mode is not None:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode=mode))
+    return layout_mod.resolve(cfg, env)
 
-    backend = pick_backend(cfg.dist.backend, torch.device(device.split()[0])) if world > 1 else None
+
+def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
+    """Everything `report` prints, as numbers."""
+    if nproc is None:
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if nproc < 1 or nnodes < 1:
+        raise UserError("plan error: --nproc and --nnodes must be >= 1")
+    layout = _launch(cfg, nproc, nnodes)
+    world = layout.world_size
+    shards = _launch(cfg, nproc, nnodes, "fsdp").shards  # the FSDP column, whatever the mode
+    device, device_bytes, warnings = _device_memory(layout)
 
     shapes = _dataset_shapes(cfg)
-    steps_per_epoch, total_steps = _steps(cfg, shapes, world)
+    steps = layout.steps(cfg, len(shapes.train))
 
     model = _build_meta_model(cfg, shapes)
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
     blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
-    shards = _fsdp_shards(cfg, world)
     ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
@@ -569,18 +329,14 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
                 )
             )
 
-    fmt = (
-        cfg.ckpt.format
-        if cfg.ckpt.format != "auto"
-        else ("sharded" if _mode(cfg) == "fsdp" and world > 1 else "full")
-    )
+    fmt = layout.checkpoint_format
     plan = Plan(
         cfg=cfg,
         world_size=world,
         nproc=nproc,
         nnodes=nnodes,
         device=device,
-        backend=backend,
+        backend=layout.backend,
         device_bytes=device_bytes,
         train_size=len(shapes.train),
         val_size=len(shapes.val),
@@ -588,16 +344,17 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         data_notes=shapes.notes,
         model_bytes=_tensor_bytes(model),
         largest_tensor=_largest_tensor(model),
-        effective_batch=cfg.data.batch_size * world * cfg.train.grad_accum,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
+        effective_batch=layout.effective_batch,
+        steps_per_epoch=steps.per_epoch,
+        total_steps=steps.total,
         num_params=sum(p.numel() for p in model.parameters()),
         num_blocks=len(blocks),
         checkpoint_format=fmt,
         checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
         checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best,
+        fsdp_shards=shards,
         memory=memory,
-        comm_bytes=_communication(cfg, world, shards, trainable, root_bytes, block_bytes),
+        comm_bytes=footprint.communication(cfg, world, shards, trainable, root_bytes, block_bytes),
         state_bytes_unsharded=ddp_state["unsharded"],
         activation_note=note,
         warnings=warnings,
@@ -675,7 +432,7 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
         "one more while a save is written",
         "",
         f"memory per rank (batch {c.data.batch_size}; FSDP over "
-        f"{_fsdp_shards(cfg, p.world_size)} shard(s); rank 0, the largest shard)",
+        f"{p.fsdp_shards} shard(s); rank 0, the largest shard)",
         f"  {'':14}{'params':>11}{'grads':>11}{'optimizer':>11}{'activations':>13}"
         f"{'buffers':>11}{'total':>11}",
     ]

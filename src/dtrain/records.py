@@ -29,7 +29,7 @@ import yaml
 from dtrain.checkpoint.store import CHECKPOINTS, LATEST, Store
 from dtrain.config import Config, to_dict, training_part
 from dtrain.errors import UserError
-from dtrain.observe import log
+from dtrain.observe import clock, log
 
 FILE = "runs.csv"
 COLUMNS = (
@@ -251,12 +251,6 @@ def _float(text: str | None) -> float:
         return 0.0
 
 
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def table(out_dir: str) -> str:
     """`dtrain runs`: the records of `out_dir` as an aligned text table, oldest first."""
     if not os.path.isdir(out_dir):
@@ -271,7 +265,7 @@ def table(out_dir: str) -> str:
     for row in rows.values():
         shown = dict(row)
         shown["started"] = (row.get("started") or "")[:16].replace("T", " ")
-        shown["wall_time_s"] = _clock(_float(row.get("wall_time_s")))
+        shown["wall_time_s"] = clock(_float(row.get("wall_time_s")), always_hours=True)
         shown["best"] = (
             f"{row.get('monitor')} {row['best_metric']}" if row.get("best_metric") else ""
         )

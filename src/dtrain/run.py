@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,18 +23,20 @@ from dtrain import (
     parallel,
     profiling,
     records,
+    rng,
     signals,
     slurm,
     tasks,
 )
+from dtrain import env as env_mod
 from dtrain import (
-    env as env_mod,
+    layout as layout_mod,
 )
-from dtrain.checkpoint.state import reseed
 from dtrain.checkpoint.store import RunDirLock, Store, check_shared
-from dtrain.checkpoint.weights import StartingWeights
 from dtrain.config import Config, dump
-from dtrain.errors import PeerFailure, UserError
+from dtrain.errors import PeerFailure, UserError, first_line
+from dtrain.layout import Layout, Steps
+from dtrain.loop_state import TrainState
 from dtrain.observe import (
     RunLog,
     StartupClock,
@@ -44,7 +46,8 @@ from dtrain.observe import (
     peak_flops,
     setup_logging,
 )
-from dtrain.trainer import Callbacks, Trainer, TrainState
+from dtrain.trainer import Callbacks, Trainer
+from dtrain.weights import StartingWeights
 
 
 def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> None:
@@ -59,15 +62,6 @@ def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = No
         cfg.run.name = os.path.splitext(os.path.basename(config_path))[0] or "default"
     else:
         cfg.run.name = "default"
-
-
-def check_layout(cfg: Config, env: env_mod.Env) -> None:
-    """Combinations of config and launch that cannot work, caught before any process group."""
-    if cfg.parallel.mode == "none" and env.world_size > 1:
-        raise UserError(
-            f"config error: parallel.mode: 'none' with {env.world_size} ranks would "
-            f"train {env.world_size} unrelated models; use ddp or fsdp"
-        )
 
 
 def prepare_run_dir(cfg: Config) -> str:
@@ -129,15 +123,15 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return totals
 
 
-def make_scaler(cfg: Config, device: torch.device, is_fsdp: bool) -> Any | None:
+def make_scaler(cfg: Config, layout: Layout) -> Any | None:
     if cfg.train.precision != "fp16":
         return None
-    if is_fsdp:
+    if layout.is_fsdp:
         # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device=device.type, init_scale=cfg.train.loss_scale_init)
-    return torch.amp.GradScaler(device.type, init_scale=cfg.train.loss_scale_init)
+        return ShardedGradScaler(device=layout.device.type, init_scale=cfg.train.loss_scale_init)
+    return torch.amp.GradScaler(layout.device.type, init_scale=cfg.train.loss_scale_init)
 
 
 @dataclass
@@ -145,12 +139,11 @@ class Pieces:
     """What a run trains, built and checked before anything is written."""
 
     datasets: data.Datasets
-    loaders: tuple
+    loaders: data.Loaders
+    steps: Steps
     task: tasks.Task
     model: nn.Module  # wrapped for the parallel mode
     num_params: int
-    is_fsdp: bool
-    steps_per_epoch: int
     notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
     starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
 
@@ -161,23 +154,21 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     resolve_run_name(cfg, env, config_path)
-    check_layout(cfg, env)
-    runtime = dist.init(
-        env, cfg.dist, cpu_collectives=cfg.parallel.mode == "fsdp" and cfg.parallel.fsdp.cpu_offload
-    )
+    layout = layout_mod.resolve(cfg, env)
+    dist.init(layout, cfg.dist)
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
     setup_logging(dist.rank(), cfg.log.all_ranks)
     signals.install()
     lock = RunDirLock(cfg.run_dir)
     record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
-    loaders: tuple = ()
+    loaders: data.Loaders | None = None
     try:
-        pieces = build_pieces(cfg, runtime, clock)
+        pieces = build_pieces(cfg, layout, clock)
         loaders = pieces.loaders
         claim_run_dir(cfg, lock, env)
         attach_log_files(cfg.run_dir, dist.rank())
-        outcome = _train(cfg, runtime, record, pieces, clock)
+        outcome = _train(cfg, layout, record, pieces, clock)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
         # No rank leaves before rank 0 has published the last checkpoint and requeued: under
@@ -196,73 +187,65 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         dist.shutdown()
 
 
-def build_pieces(cfg: Config, runtime: dist.Runtime, clock: StartupClock) -> Pieces:
+def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     """Data, task and model, wrapped for the parallel mode, and the task tried once on a
     validation batch: a task or model that cannot work ends here, with nothing written."""
-    rank, world = dist.rank(), dist.world_size()
     _set_torch_flags(cfg)
-    reseed(cfg.run.seed)
+    rng.reseed(cfg.run.seed)
     overfit = cfg.train.overfit_batches
     data_cfg = cfg.data
     if overfit:  # overfitting a fixed set of batches: the same samples every time
         data_cfg = dataclasses.replace(data_cfg, augment=False)
     datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
-    workers, why = data.workers_for(data_cfg, runtime.env.local_world_size)
+    workers, why = data.workers_for(data_cfg, layout.ranks_per_node)
     notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
     loaders = data.loaders(
         datasets.train,
         datasets.val,
-        data_cfg,
-        cfg.run.seed,
-        rank,
-        world,
-        runtime.device,
-        overfit,
-        workers,
+        cfg=data_cfg,
+        seed=cfg.run.seed,
+        rank=dist.rank(),
+        world_size=layout.world_size,
+        device=layout.device,
+        overfit_batches=overfit,
+        workers=workers,
     )
     if overfit:
         notes.append(
             f"overfit check: the same {overfit} batch(es) per rank every epoch, "
             f"augmentation off; the training loss should fall towards 0"
         )
-    steps_per_epoch = len(loaders[0]) // cfg.train.grad_accum
-    if steps_per_epoch < 1:
-        raise UserError(
-            f"data error: an epoch has {len(loaders[0])} batches per rank, fewer than "
-            f"train.grad_accum={cfg.train.grad_accum}; lower one of them"
-        )
+    steps = layout.steps(cfg, len(datasets.train))
     task = tasks.build(cfg.task, datasets.info)
     clock.mark("data")
-    is_fsdp = cfg.parallel.mode == "fsdp" and runtime.env.distributed
-    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, runtime)
+    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout)
     notes += model_notes
     clock.mark("model and wrap")
-    _check_task(cfg, task, wrapped, loaders[2], runtime.device, datasets.on_device, is_fsdp)
-    if is_fsdp:
+    _check_task(cfg, layout, task, wrapped, loaders.val, datasets.on_device)
+    if layout.is_fsdp:
         parallel.reshard(wrapped)
     starting = (
         StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
     )
     clock.mark("task check")
-    return Pieces(
-        datasets, loaders, task, wrapped, num_params, is_fsdp, steps_per_epoch, notes, starting
-    )
+    return Pieces(datasets, loaders, steps, task, wrapped, num_params, notes, starting)
 
 
 def _check_task(
     cfg: Config,
+    layout: Layout,
     task: tasks.Task,
     model: nn.Module,
     val_loader: Any,
-    device: torch.device,
     on_device: Any,
-    is_fsdp: bool,
 ) -> None:
     """The task once on the first validation batch, on every rank; the first problem any rank
     finds ends every rank with the same line (exit 2)."""
-    batch = data.to_device(next(iter(val_loader)), device, on_device, cfg.model.channels_last)
+    batch = data.to_device(
+        next(iter(val_loader)), layout.device, on_device, cfg.model.channels_last
+    )
     try:
-        with parallel.autocast(cfg.train.precision, is_fsdp, device):
+        with parallel.autocast(cfg.train.precision, layout.is_fsdp, layout.device):
             problem = tasks.check(task, model, batch, cfg.ckpt.monitor)
     except UserError as e:
         problem = str(e)
@@ -273,95 +256,81 @@ def _check_task(
 
 def _train(
     cfg: Config,
-    runtime: dist.Runtime,
+    layout: Layout,
     record: records.RunRecord,
     pieces: Pieces,
     clock: StartupClock,
 ) -> str:
-    rank, run_dir = dist.rank(), cfg.run_dir
+    run_dir = cfg.run_dir
     record.start(run_dir)
     if dist.is_main():
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(dump(cfg))
-    wrapped, steps_per_epoch, is_fsdp = pieces.model, pieces.steps_per_epoch, pieces.is_fsdp
-    optimizer = optim.build_optimizer(wrapped, cfg.optim)
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    model = pieces.model
+    optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(
-        optimizer, cfg.sched, cfg.optim.lr, total_steps, cfg.ckpt.monitor_mode
+        optimizer, cfg.sched, cfg.optim.lr, pieces.steps.total, cfg.ckpt.monitor_mode
     )
-    scaler = make_scaler(cfg, runtime.device, is_fsdp)
-    torch.manual_seed(cfg.run.seed + 1 + rank)  # per-rank randomness from here on (dropout)
-
-    def extra_state() -> dict[str, Any]:
-        return {
-            "schedule": schedule.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }
-
-    def load_extra_state(extra: dict[str, Any]) -> None:
-        schedule.load_state_dict(extra["schedule"])
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-
-    checkpoints = checkpoint.Checkpointer(
-        cfg,
-        Store(run_dir),
-        wrapped,
-        optimizer,
-        extra_state,
-        load_extra_state,
-        runtime.device,
-        is_fsdp,
-        models.model_info(cfg.model, pieces.datasets.info),
-    )
+    scaler = make_scaler(cfg, layout)
+    torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
+    parts: dict[str, checkpoint.Stateful] = {"schedule": schedule}
+    if scaler is not None:
+        parts["scaler"] = scaler
     state = TrainState()
+    checkpoints = checkpoint.Checkpointer(
+        cfg=cfg,
+        layout=layout,
+        store=Store(run_dir),
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        parts=parts,
+        model_info=models.model_info(cfg.model, pieces.datasets.info),
+    )
     resumed = checkpoints.resume()
     if resumed:
-        state = TrainState(**{f.name: resumed[f.name] for f in fields(TrainState)})
-        _reconcile_schedule(schedule, checkpoints.config_changes, total_steps)
+        _reconcile_schedule(schedule, checkpoints.config_changes, pieces.steps.total)
         if pieces.starting_weights:
             log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
     elif pieces.starting_weights:
-        log.info(pieces.starting_weights.load(wrapped))
+        log.info(pieces.starting_weights.load(model))
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     pieces.notes.append(optim.describe_groups(optimizer))
     clock.mark("run directory and resume")
-    _banner(cfg, runtime, pieces, run_dir, resumed)
-    profiler = profiling.Profiler(cfg.log.profile, run_dir, rank, runtime.device)
+    _banner(cfg, layout, pieces, run_dir, resumed)
+    profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
 
     def first_step() -> dict[str, Any]:
         clock.mark("first step")
         log.info(clock.line())
-        return _log_state_bytes(wrapped, optimizer, is_fsdp)
+        return _log_state_bytes(model, optimizer)
 
-    callbacks = Callbacks(first_step=first_step, step_end=profiler.step, saved=record.update)
-    if runtime.env.slurm_job_id and dist.is_main():
-        job_id = runtime.env.slurm_job_id
-        callbacks.before_stop_save = lambda last_save_s: slurm.check_grace(job_id, last_save_s)
-    peak = peak_flops(runtime.device, cfg.train.precision)
+    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
+    if layout.env.slurm_job_id and dist.is_main():
+        job_id = layout.env.slurm_job_id
+        callbacks.before_stop_save.append(
+            lambda last_save_s: slurm.check_grace(job_id, last_save_s)
+        )
+    peak = peak_flops(layout.device, cfg.train.precision)
     throughput = Throughput(
         getattr(pieces.task, "tokens_per_sample", None),
         pieces.num_params,
-        peak * dist.world_size() if peak else None,
+        peak * layout.world_size if peak else None,
     )
     trainer = Trainer(
-        cfg,
-        wrapped,
-        pieces.task,
-        optimizer,
-        schedule,
-        scaler,
-        pieces.loaders,
-        runtime.device,
-        is_fsdp,
-        run_log,
-        checkpoints,
-        state,
-        callbacks,
-        throughput,
-        pieces.datasets,
+        cfg=cfg,
+        layout=layout,
+        model=model,
+        task=pieces.task,
+        optimizer=optimizer,
+        schedule=schedule,
+        scaler=scaler,
+        datasets=pieces.datasets,
+        loaders=pieces.loaders,
+        checkpoints=checkpoints,
+        run_log=run_log,
+        callbacks=callbacks,
+        throughput=throughput,
     )
     try:
         profiler.start()
@@ -414,12 +383,11 @@ def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
             if missing
             else "another rank failed"
         )
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PeerFailure(
             f"distributed error at step {step} on rank {dist.rank()}: {who} "
             f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
-            f"backend said: {first_line}"
-        ) from None
+            f"backend said: {first_line(e)}"
+        ) from e
 
 
 def _set_torch_flags(cfg: Config) -> None:
@@ -430,7 +398,7 @@ def _set_torch_flags(cfg: Config) -> None:
     torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
 
 
-def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, is_fsdp: bool) -> dict:
+def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     sizes = state_bytes(model, optimizer)
     mib = {k: v / 2**20 for k, v in sizes.items()}
     log.info(
@@ -442,25 +410,21 @@ def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, is_fsdp
 
 
 def _banner(
-    cfg: Config, runtime: dist.Runtime, pieces: Pieces, run_dir: str, resumed: dict | None
+    cfg: Config, layout: Layout, pieces: Pieces, run_dir: str, resumed: checkpoint.Resumed | None
 ) -> None:
-    env = runtime.env
-    world = dist.world_size()
-    effective = cfg.data.batch_size * world * cfg.train.grad_accum
-    source = (
-        f"resumed from {resumed['path']} at step {resumed['step']}" if resumed else "fresh start"
-    )
-    if resumed and resumed["world_size"] != world:
-        source += f" (world size {resumed['world_size']} -> {world})"
+    world = layout.world_size
+    source = f"resumed from {resumed.path} at step {resumed.step}" if resumed else "fresh start"
+    if resumed and resumed.world_size != world:
+        source += f" (world size {resumed.world_size} -> {world})"
     log.info(
-        f"dtrain | {env.describe()} | device {runtime.device} | backend "
-        f"{runtime.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}"
+        f"dtrain | {layout.env.describe()} | device {layout.device} | backend "
+        f"{layout.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}"
     )
     log.info(
         f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
-        f"{cfg.task.name} | data {cfg.data.name} | effective batch {effective} = "
-        f"{cfg.data.batch_size} per rank x {world} rank(s) x {cfg.train.grad_accum} "
-        f"accumulation | {pieces.steps_per_epoch} steps per epoch"
+        f"{cfg.task.name} | data {cfg.data.name} | effective batch {layout.effective_batch} = "
+        f"{layout.batch_size} per rank x {world} rank(s) x {layout.grad_accum} "
+        f"accumulation | {pieces.steps.per_epoch} steps per epoch"
     )
     for note in pieces.notes:
         log.info(note)

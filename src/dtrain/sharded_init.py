@@ -26,24 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from dtrain import dist
+from dtrain.compat import TorchDispatchMode, aten_ops, is_in_place, tree_map_tensors
 
 FULL_BYTES = 1 << 20  # tensors up to this size are built whole
 
 
-def _ops(*names: str) -> set:
-    """The aten overloads named 'op.overload' that this torch has."""
-    found = set()
-    for name in names:
-        packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            found.add(op)
-    return found
-
-
-RANDOM_IN_PLACE = _ops(
+RANDOM_IN_PLACE = aten_ops(
     "uniform_.default",
     "normal_.default",
     "bernoulli_.float",
@@ -56,7 +46,7 @@ RANDOM_IN_PLACE = _ops(
     "cauchy_.default",
     "geometric_.default",
 )
-RANDOM_FACTORIES = _ops(
+RANDOM_FACTORIES = aten_ops(
     "randn.default",
     "randn.generator",
     "rand.default",
@@ -66,10 +56,10 @@ RANDOM_FACTORIES = _ops(
     "normal.float_float",
     "randperm.default",
 )
-FACTORIES = _ops(
+FACTORIES = aten_ops(
     "empty.memory_format", "zeros.default", "ones.default", "full.default", "empty_strided.default"
 )
-VIEWS = _ops(
+VIEWS = aten_ops(
     "select.int",
     "slice.Tensor",
     "t.default",
@@ -80,8 +70,10 @@ VIEWS = _ops(
     "permute.default",
     "expand.default",
 )
-DETACH = _ops("detach.default", "alias.default")
-LIKE = _ops("empty_like.default", "zeros_like.default", "ones_like.default", "full_like.default")
+DETACH = aten_ops("detach.default", "alias.default")
+LIKE = aten_ops(
+    "empty_like.default", "zeros_like.default", "ones_like.default", "full_like.default"
+)
 # Reductions of a whole tensor to one value: this rank's rows, then all ranks' results combined.
 REDUCTIONS = {
     op: how
@@ -90,9 +82,9 @@ REDUCTIONS = {
         (("all.default", "min.default", "amin.default"), "min"),
         (("sum.default",), "sum"),
     )
-    for op in _ops(*names)
+    for op in aten_ops(*names)
 }
-ROW_WISE = _ops(
+ROW_WISE = aten_ops(
     "copy_.default",
     "_to_copy.default",
     "clone.default",
@@ -164,7 +156,7 @@ class _Construction(TorchDispatchMode):
                 args
                 and isinstance(args[0], torch.Tensor)
                 and id(args[0]) in self.views
-                and _in_place(func)
+                and is_in_place(func)
             ):
                 raise NotReplayable(f"{func} writes into a view of a large tensor")
             out = func(*args, **kwargs)
@@ -215,7 +207,7 @@ class _Construction(TorchDispatchMode):
             value = torch.tensor(
                 {"max": -math.inf, "min": math.inf, "sum": 0.0}[how], dtype=torch.float64
             )
-        if torch_dist.is_available() and torch_dist.is_initialized():
+        if dist.is_distributed():
             op = {
                 "max": torch_dist.ReduceOp.MAX,
                 "min": torch_dist.ReduceOp.MIN,
@@ -245,8 +237,8 @@ class _Construction(TorchDispatchMode):
                 return value[target.start : target.stop]  # a whole tensor of the same rows
             return value  # a scalar, or a tensor that broadcasts along the rows
 
-        out = func(*tree_map(local, args), **tree_map(local, kwargs))
-        if _in_place(func) and args and args[0] is target:
+        out = func(*tree_map_tensors(local, args), **tree_map_tensors(local, kwargs))
+        if is_in_place(func) and args and args[0] is target:
             return target
         if (
             isinstance(out, torch.Tensor)
@@ -257,10 +249,6 @@ class _Construction(TorchDispatchMode):
                 torch.Size([target.shape[0], *out.shape[1:]]), out, target.start, target.stop
             )
         raise NotReplayable(f"{func} gives a result that is not row-wise")
-
-
-def _in_place(func: Any) -> bool:
-    return func._schema.name.split("::")[-1].endswith("_")
 
 
 def build_local(

@@ -27,15 +27,17 @@ counted once over all ranks. Optional members, used where present:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain import compat, registry
 from dtrain.config import TaskConfig
-from dtrain.errors import UserError
-from dtrain.imports import is_import_path, load_callable
+from dtrain.errors import UserError, first_line
+from dtrain.imports import load_callable
 
 
 class Task(Protocol):
@@ -92,8 +94,6 @@ def call(model: nn.Module, inputs: Any) -> Any:
 class Classification:
     """(inputs, labels) batches; cross-entropy; reports val_loss and val_acc."""
 
-    reported = ("loss", "acc")
-
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, labels = batch
         return F.cross_entropy(logits_of(call(model, inputs)).float(), labels)
@@ -115,8 +115,6 @@ class Classification:
 class LanguageModel:
     """Batches of token windows (batch, seq_len + 1): predict each next token. Reports val_loss
     (nats per token), val_perplexity and val_bits_per_byte (the tokens are bytes)."""
-
-    reported = ("loss", "perplexity", "bits_per_byte")
 
     def __init__(self, seq_len: int | None = None) -> None:
         self.tokens_per_sample = seq_len
@@ -151,8 +149,6 @@ class ModelLoss:
     the loss or something with `.loss` / `["loss"]`). Reports val_loss: each sample is given its
     batch's loss, so a batch's share of the mean is its size."""
 
-    reported = ("loss",)
-
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return loss_of(call(model, batch))
 
@@ -160,42 +156,40 @@ class ModelLoss:
         return {"loss": self.loss(model, batch).float().expand(batch_size(batch))}
 
 
-BUILTIN = {
-    "classification": Classification,
-    "language_model": LanguageModel,
-    "model_loss": ModelLoss,
-}
-
-
-def builtin_metrics(name: str) -> tuple[str, ...] | None:
-    """The validation metrics a built-in task reports (`val_<name>`), or None for a user's."""
-    task = BUILTIN.get(name)
-    return tuple(f"val_{m}" for m in task.reported) if task is not None else None
-
-
 def build(cfg: TaskConfig, info: dict[str, Any]) -> Task:
-    """The task named by `task.name`, with `task.args`."""
-    if is_import_path(cfg.name):
-        task = load_callable(cfg.name, "task.name")(cfg)
-        missing = [m for m in ("loss", "metrics") if not callable(getattr(task, m, None))]
-        if missing:
-            raise UserError(
-                f"config error: task.name: {cfg.name} returned {type(task).__name__}, "
-                f"which has no {' or '.join(missing)}(model, batch) method"
-            )
-        return task
-    if cfg.name not in BUILTIN:
-        raise UserError(
-            f"config error: task.name: unknown task '{cfg.name}'; use one of "
-            f"{', '.join(BUILTIN)} or module:function"
-        )
-    args = dict(cfg.args)
-    if cfg.name == "language_model":
-        args.setdefault("seq_len", info.get("seq_len"))
+    """The task named by `task.name` (see registry.TASKS), with `task.args`."""
+    return registry.TASKS.builder(cfg.name)(cfg, info)
+
+
+def _with_args(cls: Callable[..., Task], args: dict[str, Any]) -> Task:
     try:
-        return BUILTIN[cfg.name](**args)
+        return cls(**args)
     except TypeError as e:
         raise UserError(f"config error: task.args: {e}") from None
+
+
+def classification(cfg: TaskConfig, info: dict[str, Any]) -> Task:
+    return _with_args(Classification, dict(cfg.args))
+
+
+def language_model(cfg: TaskConfig, info: dict[str, Any]) -> Task:
+    return _with_args(LanguageModel, {"seq_len": info.get("seq_len"), **cfg.args})
+
+
+def model_loss(cfg: TaskConfig, info: dict[str, Any]) -> Task:
+    return _with_args(ModelLoss, dict(cfg.args))
+
+
+def build_user(cfg: TaskConfig, info: dict[str, Any]) -> Task:
+    """A user's task builder by import path, called with the task config."""
+    task = load_callable(cfg.name, "task.name")(cfg)
+    missing = [m for m in ("loss", "metrics") if not callable(getattr(task, m, None))]
+    if missing:
+        raise UserError(
+            f"config error: task.name: {cfg.name} returned {type(task).__name__}, "
+            f"which has no {' or '.join(missing)}(model, batch) method"
+        )
+    return task
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,18 +198,10 @@ def build(cfg: TaskConfig, info: dict[str, Any]) -> Task:
 
 def batch_size(batch: Any) -> int:
     """The leading dimension of the first tensor in a batch (tensors, tuples, lists, dicts)."""
-    for leaf in leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+    for leaf in compat.tensor_leaves(batch):
+        if leaf.dim() > 0:
             return leaf.shape[0]
     raise UserError("task error: a batch holds no tensor with a batch dimension")
-
-
-def leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in leaves(value)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for value in tree for leaf in leaves(value)]
-    return [tree]
 
 
 def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
@@ -231,10 +217,9 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the model, data and task do not fit together
-        first = (str(e).strip().splitlines() or [""])[0]
         return (
             f"task error: the {type(task).__name__} task failed on a validation batch: "
-            f"{type(e).__name__}: {first} (do the model's outputs fit the data, e.g. "
+            f"{type(e).__name__}: {first_line(e)} (do the model's outputs fit the data, e.g. "
             f"model.num_classes?)"
         )
     finally:
@@ -262,6 +247,12 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
             f"reports {', '.join(reported)}"
         )
     return None
+
+
+def improves(value: float, best: float | None, mode: str) -> bool:
+    """Whether a metric's `value` beats `best` (None: nothing yet) when it is to be maximised
+    (`mode` max, as accuracy) or minimised (min, as a loss)."""
+    return best is None or (value > best if mode == "max" else value < best)
 
 
 def reported_metrics(task: Task, values: dict[str, torch.Tensor]) -> list[str]:

@@ -16,9 +16,11 @@
 # the hosts dtn1 and dtn2 (its network namespace, its /etc/hosts, its host name), as
 # NodeName=dtnI NodeAddr=10.213.7.(10+I). munged is shared (tests/slurm/cluster.sh munge).
 # `start` is idempotent; when something does not come up it shows the daemons' logs.
+# The shell code both clusters share is tests/slurm/common.sh (sourced).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
+NAME=slurm2.sh
 HOSTS_SH=$HERE/hosts.sh
 ONE_NODE_SH=$HERE/../slurm/cluster.sh
 CONF_DIR=/etc/slurm-dtrain2
@@ -38,30 +40,17 @@ CONF_CHANGED=0
 MUNGE_STARTED=/run/dtrain-test-cluster2.munged
 export SLURM_CONF=$CONF
 
-die() {
-    echo "slurm2.sh: $*" >&2
-    exit 1
-}
-
 node_ip() { echo "10.213.7.$((10 + ${1#dtn}))"; }
 slurmd_pid_file() { echo "/run/slurmd-dtrain2-$1.pid"; }
 
+PID_FILES=("$CTLD_PID")
+for node in "${NODES[@]}"; do PID_FILES+=("$(slurmd_pid_file "$node")"); done
+# shellcheck source=../slurm/common.sh
+. "$HERE/../slurm/common.sh"
+
 show_logs() {
-    local f node
-    for f in "$LOG_DIR/slurmctld.log" $(for node in "${NODES[@]}"; do echo "$LOG_DIR/slurmd-$node.log"; done); do
-        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
-    done
-    return 0
-}
-
-munge_works() {
-    command -v munge >/dev/null && munge -n 2>/dev/null | unmunge >/dev/null 2>&1
-}
-
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-need_root() {
-    [ "$(id -u)" = 0 ] || die "$1 needs root (run it with sudo)"
+    local node
+    tail_logs "$LOG_DIR/slurmctld.log" $(for node in "${NODES[@]}"; do echo "$LOG_DIR/slurmd-$node.log"; done)
 }
 
 write_conf() {
@@ -99,95 +88,36 @@ CONF
         done
         echo "PartitionName=two Nodes=$nodes Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
     } >"$tmp"
-    if [ -f "$CONF" ] && cmp -s "$tmp" "$CONF"; then
-        rm -f "$tmp"
-    else
-        mv "$tmp" "$CONF"
-        chmod 0644 "$CONF"
-        echo "slurm2.sh: wrote $CONF (nodes $nodes, $NODE_CPUS CPUs each)"
-        CONF_CHANGED=1
-    fi
+    install_conf "$tmp" "nodes $nodes, $NODE_CPUS CPUs each"
 }
 
-ctld_up() {
-    scontrol ping 2>/dev/null | grep -q "UP"
-}
-
-node_states() {  # "dtn1 idle dtn2 idle"
-    sinfo -h -N -o "%N %T" 2>/dev/null | tr '\n' ' '
-}
-
-any_daemon_runs() {
-    local node
-    pid_alive "$CTLD_PID" && return 0
-    for node in "${NODES[@]}"; do pid_alive "$(slurmd_pid_file "$node")" && return 0; done
-    return 1
-}
-
-stop_daemons() {
-    local node pid_file
-    if ctld_up; then
-        # Jobs first: their steps run on the hosts and would outlive the daemons.
-        local jobs
-        jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
-        if [ -n "${jobs// /}" ]; then
-            echo "slurm2.sh: cancelling jobs $jobs"
-            # shellcheck disable=SC2086
-            scancel $jobs 2>/dev/null || true
-            for _ in $(seq 100); do
-                [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
-                sleep 0.5
-            done
-        fi
-        # scontrol shutdown stops this cluster's slurmctld and every slurmd it knows.
-        scontrol shutdown >/dev/null 2>&1 || true
-    fi
-    for _ in $(seq 50); do
-        any_daemon_runs || break
-        sleep 0.2
-    done
-    for pid_file in "$CTLD_PID" $(for node in "${NODES[@]}"; do slurmd_pid_file "$node"; done); do
-        if pid_alive "$pid_file"; then
-            kill "$(cat "$pid_file")"
-        fi
+cancel_jobs() {
+    # Before the daemons stop: the jobs' steps run on the hosts and would outlive them.
+    ctld_up || return 0
+    local jobs
+    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
+    [ -n "${jobs// /}" ] || return 0
+    echo "slurm2.sh: cancelling jobs $jobs"
+    # shellcheck disable=SC2086
+    scancel $jobs 2>/dev/null || true
+    for _ in $(seq 100); do
+        [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+        sleep 0.5
     done
 }
 
 start_daemons() {
     local node
-    if [ "$CONF_CHANGED" = 1 ] && any_daemon_runs; then
-        echo "slurm2.sh: restarting the daemons for the new $CONF"
-        stop_daemons
-    fi
-    if ! ctld_up; then
-        slurmctld -f "$CONF" || { show_logs; die "slurmctld did not start"; }
-        for _ in $(seq 50); do ctld_up && break; sleep 0.2; done
-        ctld_up || { show_logs; die "slurmctld started but 'scontrol ping' does not answer"; }
-    fi
+    if [ "$CONF_CHANGED" = 1 ]; then cancel_jobs; fi
+    restart_for_new_conf
+    start_slurmctld -f "$CONF"
     for node in "${NODES[@]}"; do
         if ! pid_alive "$(slurmd_pid_file "$node")"; then
             "$HOSTS_SH" exec "$node" slurmd -f "$CONF" -N "$node" ||
                 { show_logs; die "slurmd did not start on $node"; }
         fi
     done
-    local states="" idle
-    for _ in $(seq 100); do
-        states=$(node_states)
-        idle=0
-        for node in "${NODES[@]}"; do
-            case " $states" in
-                *" $node idle"* | *" $node mixed"* | *" $node allocated"*) idle=$((idle + 1)) ;;
-                *" $node down"* | *" $node drain"*)
-                    # A node left down by an earlier, unclean stop: bring it back.
-                    scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
-            esac
-        done
-        [ "$idle" = "${#NODES[@]}" ] && return 0
-        sleep 0.3
-    done
-    show_logs
-    sinfo -N -l >&2 || true
-    die "the nodes did not become idle (states: ${states:-unknown})"
+    wait_for_nodes "${NODES[@]}"
 }
 
 start() {
@@ -208,6 +138,7 @@ stop() {
         die "$CONF was not written by this script; not stopping that cluster"
     fi
     [ -f "$CONF" ] || { echo "slurm2.sh: stopped (never configured)"; return 0; }
+    cancel_jobs
     stop_daemons
     if [ -f "$MUNGE_STARTED" ]; then
         rm -f "$MUNGE_STARTED"
@@ -226,14 +157,10 @@ status() {
         echo "slurm2.sh: down (slurmctld of $CONF does not answer)"
         return 1
     fi
-    local states node
+    local states
     states=$(node_states)
-    for node in "${NODES[@]}"; do
-        case " $states" in
-            *" $node idle"* | *" $node mixed"* | *" $node allocated"*) ;;
-            *) echo "slurm2.sh: not ready: nodes ${states:-unknown}"; return 1 ;;
-        esac
-    done
+    nodes_ready "$states" "${NODES[@]}" ||
+        { echo "slurm2.sh: not ready: nodes ${states:-unknown}"; return 1; }
     echo "slurm2.sh: up: $states(SLURM_CONF=$CONF)"
 }
 

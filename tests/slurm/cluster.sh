@@ -12,31 +12,26 @@
 # slurm.conf, which restarts the SLURM daemons). The node declares more CPUs than the
 # machine may have (SlurmdParameters=config_overrides) so that 2-4 one-CPU tasks fit anywhere.
 # An /etc/slurm/slurm.conf that this script did not write is never touched: a machine with a
-# real cluster keeps its own.
+# real cluster keeps its own. What it shares with tests/cluster/slurm2.sh is in common.sh (sourced)
+# and common.conf (copied into the conf).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
+NAME=cluster.sh
 CONF=/etc/slurm/slurm.conf
 MARK="# Written by tests/slurm/cluster.sh"
 LOG_DIR=/var/log/slurm
 NODE_CPUS=${DTRAIN_TEST_SLURM_CPUS:-4}
 CONF_CHANGED=0
 MUNGE_STARTED=/run/dtrain-test-cluster.munged
-
-die() {
-    echo "cluster.sh: $*" >&2
-    exit 1
-}
+# This cluster's daemons by their pid files (named in the conf written below): other slurmd or
+# slurmctld processes on this machine (the two-node test cluster) are not ours.
+PID_FILES=(/run/slurmctld.pid /run/slurmd.pid)
+# shellcheck source=common.sh
+. "$HERE/common.sh"
 
 show_logs() {
-    for f in "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" /var/log/munge/munged.log; do
-        [ -f "$f" ] && { echo "--- last lines of $f" >&2; tail -n 15 "$f" >&2; }
-    done
-    return 0
-}
-
-need_root() {
-    [ "$(id -u)" = 0 ] || die "$1 needs root (run it with sudo)"
+    tail_logs "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" /var/log/munge/munged.log
 }
 
 install_packages() {
@@ -53,10 +48,6 @@ install_packages() {
         { apt-get update >>/tmp/cluster-apt.log 2>&1 &&
           apt-get install -y --no-install-recommends slurm-wlm munge >>/tmp/cluster-apt.log 2>&1; } ||
         { tail -n 20 /tmp/cluster-apt.log >&2; die "apt-get install slurm-wlm munge failed"; }
-}
-
-munge_works() {
-    munge -n 2>/dev/null | unmunge >/dev/null 2>&1
 }
 
 start_munge() {
@@ -106,76 +97,17 @@ SlurmdLogFile=$LOG_DIR/slurmd.log
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
-    if [ -f "$CONF" ] && cmp -s "$tmp" "$CONF"; then
-        rm -f "$tmp"
-    else
-        mv "$tmp" "$CONF"
-        chmod 0644 "$CONF"
-        echo "cluster.sh: wrote $CONF (node $node, $NODE_CPUS CPUs)"
-        CONF_CHANGED=1
-    fi
-}
-
-ctld_up() {
-    scontrol ping 2>/dev/null | grep -q "UP"
-}
-
-node_state() {
-    sinfo -h -N -o "%T" 2>/dev/null | head -n 1
-}
-
-stop_daemons() {
-    # scontrol shutdown stops slurmctld and every slurmd it knows.
-    if ctld_up; then
-        scontrol shutdown >/dev/null 2>&1 || true
-    fi
-    for _ in $(seq 50); do
-        daemon_runs slurmctld || daemon_runs slurmd || break
-        sleep 0.2
-    done
-    for daemon in slurmd slurmctld; do
-        if daemon_runs "$daemon"; then
-            kill "$(cat "/run/$daemon.pid")"
-        fi
-    done
-}
-
-# This cluster's daemons by their pid files (named in the conf written below): other slurmd or
-# slurmctld processes on this machine (the two-node test cluster) are not ours.
-daemon_runs() {
-    local pid_file=/run/$1.pid
-    [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null
+    install_conf "$tmp" "node $node, $NODE_CPUS CPUs"
 }
 
 start_daemons() {
-    if [ "$CONF_CHANGED" = 1 ] && { ctld_up || daemon_runs slurmd; }; then
-        echo "cluster.sh: restarting the daemons for the new $CONF"
-        stop_daemons
-    fi
-    if ! ctld_up; then
-        need_root "starting slurmctld"
-        slurmctld || { show_logs; die "slurmctld did not start"; }
-        for _ in $(seq 50); do ctld_up && break; sleep 0.2; done
-        ctld_up || { show_logs; die "slurmctld started but scontrol ping does not answer"; }
-    fi
-    if ! daemon_runs slurmd; then
+    restart_for_new_conf
+    start_slurmctld
+    if ! pid_alive /run/slurmd.pid; then
         need_root "starting slurmd"
         slurmd || { show_logs; die "slurmd did not start"; }
     fi
-    local state=""
-    for _ in $(seq 100); do
-        state=$(node_state)
-        case "$state" in
-            idle* | mixed* | allocated*) return 0 ;;
-            down* | drain*)
-                # A node left down by an earlier, unclean stop: bring it back once.
-                scontrol update nodename="$(hostname -s)" state=resume 2>/dev/null || true ;;
-        esac
-        sleep 0.3
-    done
-    show_logs
-    sinfo -N -l >&2 || true
-    die "the node did not become idle (state: ${state:-unknown})"
+    wait_for_nodes "$(hostname -s)"
 }
 
 start() {

@@ -16,46 +16,50 @@ checkpoint holds and how to read it safely. The `Checkpointer` here puts them to
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
-from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import dtrain
-from dtrain import dist
+from dtrain import dist, rng
 from dtrain.checkpoint import state as ckpt_state
+from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
 from dtrain.checkpoint.state import (
     DCP_DIR,
     FORMAT_VERSION,
     FULL_FILE,
     META_FILE,
-    first_line,
     load_file,
 )
 from dtrain.checkpoint.store import (
     LATEST,
     MARKER,
+    CheckpointError,
     Entry,
     Store,
     checkpoint_name,
+    error_of_save,
     file_sizes,
     read_marker,
-    verify_files,
 )
 from dtrain.config import Config, to_dict, training_differences
 from dtrain.errors import UserError
+from dtrain.layout import Layout
+from dtrain.loop_state import TrainState
 from dtrain.observe import log
 from dtrain.parallel import unwrap
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "Resumed",
+    "Stateful",
     "ConfigChanged",
     "open_checkpoint",
     "load_file",
@@ -69,10 +73,21 @@ __all__ = [
 ]
 
 
-class CheckpointError(Exception):
-    """A save failed (disk full, no permission): exit 1, with the previous checkpoint kept."""
+class Stateful(Protocol):
+    """A piece of a run that a checkpoint saves and restores by name."""
 
-    exit_code = 1
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from."""
+
+    path: str
+    step: int
+    world_size: int
 
 
 class ConfigChanged(UserError):
@@ -80,72 +95,38 @@ class ConfigChanged(UserError):
     to fall back from, but a question for the user."""
 
 
-def open_checkpoint(path: str) -> tuple[str, str]:
-    """The folder and format of the checkpoint at `path` (its folder, or a bare checkpoint.pt),
-    after checking that its save completed and that every file it lists has its size."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    marker = read_marker(folder)
-    if marker is None:
-        if os.path.isdir(path):
-            raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
-        return folder, "full"
-    wrong = verify_files(folder, marker)
-    if wrong:
-        raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
-    return folder, marker["format"]
-
-
-def _error_of_save(error: BaseException, name: str, folder: str, needed: int) -> CheckpointError:
-    """A failed write as one line: disk full (with the space it needed), or what the OS said."""
-    free = shutil.disk_usage(folder).free
-    causes = [error, *(getattr(error, "failures", {}) or {}).values()]
-    causes = [c[0] if isinstance(c, tuple) else c for c in causes]
-    # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
-    if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes) or free < needed:
-        return CheckpointError(
-            f"checkpoint error: disk full while saving {name}: it needs about "
-            f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {folder}; "
-            f"the previous checkpoint is kept"
-        )
-    os_error = next((c for c in causes if isinstance(c, OSError)), None)
-    reason = str(os_error) if os_error is not None else first_line(error)
-    return CheckpointError(
-        f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
-        f"previous checkpoint is kept"
-    )
-
-
 class Checkpointer:
     """Saves and restores everything a run needs to continue exactly."""
 
     def __init__(
         self,
+        *,
         cfg: Config,
+        layout: Layout,
         store: Store,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        extra_state: Callable[[], dict[str, Any]],
-        load_extra_state: Callable[[dict[str, Any]], None],
-        device: torch.device,
-        is_fsdp: bool,
+        state: TrainState,
+        parts: Mapping[str, Stateful],
         model_info: dict[str, Any],
     ) -> None:
+        """`state` says where the run is (it names the checkpoints); `parts` are the other pieces
+        a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name."""
         self.cfg, self.store, self.model, self.optimizer = cfg, store, model, optimizer
+        self.state, self.parts = state, dict(parts)
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
-        self.extra_state, self.load_extra_state = extra_state, load_extra_state
-        self.device = device
-        fmt = cfg.ckpt.format
-        self.format = fmt if fmt != "auto" else ("sharded" if is_fsdp else "full")
+        self.device = layout.device
+        self.format = layout.checkpoint_format
         self.last_saved_step: int | None = None
         self.config_changes: list[str] = []  # training keys changed since the resumed checkpoint
         self.superseded: str | None = None  # where an abandoned history was moved
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._resumed: dict[str, Any] | None = None
+        self._resumed: Resumed | None = None
         # Background saves run their collectives on a group of their own, so that they never
         # interleave with the training collectives on the default group.
         self._save_group = None
-        self._save_device = device
+        self._save_device = self.device
         if cfg.ckpt.async_ and dist.is_distributed():
             import torch.distributed as torch_dist
 
@@ -162,9 +143,10 @@ class Checkpointer:
         dist.barrier()
 
     # -- saving ---------------------------------------------------------------------------------
-    def save(self, state: Any) -> None:
+    def save(self) -> None:
         """Save at the current step. With ckpt.async the write continues in the background."""
         self.wait()
+        state = self.state
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -181,10 +163,10 @@ class Checkpointer:
         meta = {
             "format_version": FORMAT_VERSION,
             "format": self.format,
-            "train_state": asdict(state),
-            "extra": self.extra_state(),
+            "train_state": state.state_dict(),
+            "extra": {name: part.state_dict() for name, part in self.parts.items()},
             "world_size": dist.world_size(),
-            "rng": dist.gather_objects(ckpt_state.rng_state(self.device)),
+            "rng": dist.gather_objects(rng.capture(self.device)),
             "config": to_dict(self.cfg),
             "model_info": self.model_info,
             "metrics": dict(state.last_eval),
@@ -264,13 +246,13 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
             if isinstance(e, KeyboardInterrupt):
                 raise
-            error = _error_of_save(e, name, self.store.dir, needed)
+            error = error_of_save(e, name, self.store.dir, needed)
         reports = dist.gather_objects(own_files, group) if self.format == "sharded" else []
         if dist.is_main() and error is None:
             try:
                 self._publish(name, tmp, payload, meta, marker, reports)
             except (OSError, RuntimeError) as e:
-                error = _error_of_save(e, name, self.store.dir, needed)
+                error = error_of_save(e, name, self.store.dir, needed)
         if dist.any_rank(error is not None, self._save_device, group):
             if dist.is_main():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -323,8 +305,9 @@ class Checkpointer:
             raise error
 
     # -- resuming -------------------------------------------------------------------------------
-    def resume(self) -> dict[str, Any] | None:
-        """Load what `ckpt.resume` names: the train state dict, or None for a fresh start."""
+    def resume(self) -> Resumed | None:
+        """Load what `ckpt.resume` names into the model, optimizer, state and parts; returns
+        where it came from, or None for a fresh start."""
         choice = self.cfg.ckpt.resume
         if choice == "none":
             self._supersede(lambda entries: entries, "fresh start (ckpt.resume=none)", records=True)
@@ -364,7 +347,7 @@ class Checkpointer:
             log.info(f"no checkpoint in {self.store.dir}: fresh start")
         return None
 
-    def _resume_from(self, choice: str) -> dict[str, Any]:
+    def _resume_from(self, choice: str) -> Resumed:
         """`ckpt.resume: PATH`: that checkpoint or exit 2. A checkpoint of this run directory
         that is not the newest is a rewind: the ones saved after it are moved aside; one of
         another directory starts a new history here."""
@@ -436,9 +419,9 @@ class Checkpointer:
             folder, fmt, meta = dist.on_main(read)
             self._check_config(meta, folder)
             if fmt == "full":
-                self._apply_full(folder)
+                apply_full(self.model, self.optimizer, self._full_data, folder)
             else:
-                self._apply_sharded(folder)
+                apply_sharded(self.model, self.optimizer, folder)
         finally:
             self._full_data = None
         self._restore_meta(meta, folder)
@@ -468,66 +451,28 @@ class Checkpointer:
         if problem:
             raise UserError(f"checkpoint error: {folder}: {problem}")
 
-    def _apply_full(self, folder: str) -> None:
-        """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        data = self._full_data or {"model": {}, "optimizer": {}}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
-        try:
-            set_model_state_dict(self.model, data["model"], options=options)
-            set_optimizer_state_dict(self.model, self.optimizer, data["optimizer"], options=options)
-        except (RuntimeError, KeyError, ValueError, AssertionError) as e:
-            raise UserError(f"checkpoint error: {folder}: {first_line(e)}") from None
-
-    def _apply_sharded(self, folder: str) -> None:
-        """Read every shard into new tensors first; apply them only when all were read."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        staged = {
-            "model": _empty_like(get_model_state_dict(self.model)),
-            "optimizer": _empty_like(get_optimizer_state_dict(self.model, self.optimizer)),
-        }
-        ckpt_state.read_sharded(folder, staged)
-        set_model_state_dict(self.model, staged["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, staged["optimizer"])
-
     def _restore_meta(self, meta: dict[str, Any], folder: str) -> None:
         saved_world = meta["world_size"]
         if saved_world == dist.world_size():
-            ckpt_state.set_rng_state(meta["rng"][dist.rank()], self.device)
+            rng.restore(meta["rng"][dist.rank()], self.device)
         else:
             log.warning(
                 f"world size changed from {saved_world} to {dist.world_size()}: resuming "
                 f"at the same sample of the epoch; random states are re-seeded"
             )
-            ckpt_state.reseed(
-                self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1) + dist.rank()
-            )
-        self.load_extra_state(meta["extra"])
-        self._resumed = dict(meta["train_state"], world_size=saved_world, path=folder)
+            rng.reseed(self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1) + dist.rank())
+        self.state.load_state_dict(meta["train_state"])
+        for name, part in self.parts.items():
+            saved = meta["extra"].get(name)
+            if saved is None:
+                log.warning(f"{folder} holds no state for '{name}': it starts anew")
+            else:
+                part.load_state_dict(saved)
+        self._resumed = Resumed(
+            path=folder, step=meta["train_state"]["step"], world_size=saved_world
+        )
         self.last_saved_step = meta["train_state"]["step"]
         log.info(
             f"resumed from {folder} (step {meta['train_state']['step']}, "
             f"epoch {meta['train_state']['epoch']})"
         )
-
-
-def _empty_like(obj: Any) -> Any:
-    """The same structure with new, uninitialised tensors (DTensors keep their sharding)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _empty_like(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_empty_like(v) for v in obj]
-    return obj

@@ -9,72 +9,19 @@ read through an allow-list, so a file crafted to run code when unpickled is refu
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import random
 from typing import Any
 
-import numpy
 import torch
 
-from dtrain.errors import UserError
+from dtrain import compat, dist
+from dtrain.errors import UserError, first_line
 
 FULL_FILE = "checkpoint.pt"
 META_FILE = "meta.pt"
 DCP_DIR = "dcp"
 FORMAT_VERSION = 2
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG states, stored as tensors, ints and strings so that weights_only loading accepts them
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    np_state = numpy.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "name": np_state[0],
-            "keys": torch.from_numpy(np_state[1].astype(numpy.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    numpy.random.set_state(
-        (
-            np_state["name"],
-            np_state["keys"].numpy().astype(numpy.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["gauss"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def reseed(seed: int) -> None:
-    random.seed(seed)
-    numpy.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def shape_mismatch(
@@ -149,38 +96,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def safe_reader(path: str) -> Any:
     """DCP's file-system reader, reading `.metadata` through the allow-list."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
+    return compat.dcp_reader(path, lambda f: _MetadataUnpickler(f).load())
 
 
 def safe_planner() -> Any:
     """DCP's load planner, reading values stored as bytes with weights_only=True."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(
-                    self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
-                )
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return SafePlanner()
+    return compat.dcp_planner(lambda value: torch.load(value, weights_only=True))
 
 
 def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
@@ -196,7 +117,7 @@ def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) 
             storage_reader=safe_reader(path),
             planner=safe_planner(),
             process_group=process_group,
-            no_dist=not _distributed(),
+            no_dist=not dist.is_distributed(),
         )
     except (CheckpointException, Exception) as e:  # noqa: BLE001 - any failure: unusable
         raise UserError(f"checkpoint error: {path} is unreadable: {_dcp_reason(e)}") from None
@@ -231,13 +152,9 @@ def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None)
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(os.path.join(folder, DCP_DIR), sync_files=True)
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not _distributed())
-
-
-def _distributed() -> bool:
-    import torch.distributed as torch_dist
-
-    return torch_dist.is_available() and torch_dist.is_initialized()
+    dcp.save(
+        state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_distributed()
+    )
 
 
 def torch_save(obj: Any, path: str) -> None:
@@ -248,25 +165,15 @@ def torch_save(obj: Any, path: str) -> None:
 
 
 def tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+    """The bytes of the tensors in `obj` that this rank holds (a DTensor's local shard)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in compat.tensor_leaves(obj)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def cpu_copy(obj: Any) -> Any:
     """A copy of every tensor in CPU memory (one copy, straight from the device), so that a
     background write is not changed by training."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu":
-            return obj.detach().clone()
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [cpu_copy(v) for v in obj]
-    return obj
+    return compat.tree_map_tensors(
+        lambda t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu", copy=True),
+        obj,
+    )

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain import dist
-from dtrain.errors import UserError
+from dtrain.errors import UserError, first_line
 from dtrain.observe import log
 
 MARKER = "COMPLETE"
@@ -357,3 +357,29 @@ class Store:
         what = ", ".join([e.name for e in moving] + list(extra))
         log.warning(f"{reason}: moved {what} aside to {target}")
         return target
+
+
+class CheckpointError(Exception):
+    """A save failed (disk full, no permission): exit 1, with the previous checkpoint kept."""
+
+    exit_code = 1
+
+
+def error_of_save(error: BaseException, name: str, folder: str, needed: int) -> CheckpointError:
+    """A failed write as one line: disk full (with the space it needed), or what the OS said."""
+    free = shutil.disk_usage(folder).free
+    causes = [error, *(getattr(error, "failures", {}) or {}).values()]
+    causes = [c[0] if isinstance(c, tuple) else c for c in causes]
+    # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
+    if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes) or free < needed:
+        return CheckpointError(
+            f"checkpoint error: disk full while saving {name}: it needs about "
+            f"{needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB free in {folder}; "
+            f"the previous checkpoint is kept"
+        )
+    os_error = next((c for c in causes if isinstance(c, OSError)), None)
+    reason = str(os_error) if os_error is not None else first_line(error)
+    return CheckpointError(
+        f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
+        f"previous checkpoint is kept"
+    )

@@ -1,5 +1,6 @@
 """Image datasets: the built-in synthetic set, CIFAR-10, MNIST and Fashion-MNIST (held in memory as
-uint8), and image folders (listed once, decoded sample by sample in the loader workers).
+uint8), and image folders (listed once, decoded sample by sample in the loader workers; reading a
+file and what an unreadable one becomes are `decode`'s).
 
 Every image reaches the device as uint8 and is normalised there (`Normalize`): a quarter of the
 bytes of float32 cross from host to device. What happens to a sample before (`Transform`) is a
@@ -24,7 +25,8 @@ from torch.utils.data import Dataset
 
 from dtrain import dist, synthetic
 from dtrain.config import DataConfig
-from dtrain.data.loaders import Stacked
+from dtrain.data.decode import BadSample, ReplacedCount, bad_sample, decode
+from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index, sample_random
 from dtrain.errors import UserError
 
@@ -32,7 +34,6 @@ CROP_PADDING = 4
 NATIVE_MAX = 64  # images this small (and all of one square size) keep their own size
 HEADER_SAMPLE = 256  # image headers read per split to decide the size
 IMAGENET_NORM = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-NAMES = ("synthetic", "cifar10", "mnist", "fashion_mnist", "imagefolder")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,17 +177,6 @@ class ImageDataset(Dataset):
 # Image folders: listed once, decoded per sample
 
 
-class BadSample(UserError):
-    """An image that cannot be read. Raised in a loader worker, it reaches the training process
-    re-created from the worker's traceback text: the original message is its last line."""
-
-    def __init__(self, message: str) -> None:
-        marker = f"{type(self).__name__}: "
-        if "Original Traceback" in message and marker in message:
-            message = message.rsplit(marker, 1)[1].strip().splitlines()[0]
-        super().__init__(message)
-
-
 @dataclass
 class Listing:
     """One split of an image folder: files relative to its root, their labels, the classes."""
@@ -196,22 +186,11 @@ class Listing:
     labels: list[int]
     classes: list[str]
 
+    def path(self, index: int) -> str:
+        return os.path.join(self.root, self.files[index])
 
-def decode(path: str) -> torch.Tensor:
-    """An image file as uint8 RGB (3, H, W): torchvision's decoders where they apply (JPEG, PNG,
-    GIF, WebP; about a quarter faster than PIL on JPEGs here), else PIL (other formats, or a
-    torchvision without them)."""
-    try:
-        from torchvision.io import ImageReadMode, decode_image, read_file
-
-        return decode_image(read_file(path), mode=ImageReadMode.RGB)
-    except (ImportError, RuntimeError):
-        pass
-    from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
-
-    with Image.open(path) as image:
-        return pil_to_tensor(image.convert("RGB"))
+    def unreadable(self, index: int, error: BaseException) -> BadSample:
+        return bad_sample(self.path(index), self.classes[self.labels[index]], error)
 
 
 class ImageFolderSet(Dataset):
@@ -223,9 +202,7 @@ class ImageFolderSet(Dataset):
     def __init__(self, listing: Listing, transform: Transform, skip_bad: bool) -> None:
         self.listing, self.transform, self.skip_bad = listing, transform, skip_bad
         self.labels = torch.tensor(listing.labels, dtype=torch.long)
-        # Replaced samples, one slot per loader worker (and one for the main process), in
-        # shared memory so that the training process can read the count.
-        self.replaced = torch.zeros(65, dtype=torch.int64).share_memory_()
+        self.replaced = ReplacedCount()
         self._warned: set[int] = set()
 
     def __len__(self) -> int:
@@ -233,9 +210,9 @@ class ImageFolderSet(Dataset):
 
     def _read(self, index: int) -> torch.Tensor:
         try:
-            return decode(os.path.join(self.listing.root, self.listing.files[index]))
+            return decode(self.listing.path(index))
         except Exception as e:  # noqa: BLE001 - any failure to decode is a bad sample
-            raise bad_sample(self.listing, index, e) from None
+            raise self.listing.unreadable(index, e) from None
 
     def _load(self, index: int) -> tuple[torch.Tensor, int]:
         """The image of `index`, or with skip_bad the next readable one (index+1, +2, ...)."""
@@ -253,8 +230,7 @@ class ImageFolderSet(Dataset):
                     log.warning(f"{bad} -- skipped (data.on_bad_sample=skip)")
                 continue
             if offset:
-                info = torch.utils.data.get_worker_info()
-                self.replaced[(info.id + 1) if info is not None else 0] += 1
+                self.replaced.add()
             return image, candidate
         raise UserError(f"data error: no readable image in {self.listing.root}")
 
@@ -268,7 +244,7 @@ class ImageFolderSet(Dataset):
         return Stacked((torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])))
 
     def replaced_count(self) -> int:
-        return int(self.replaced.sum())
+        return self.replaced.total()
 
 
 def list_split(root: str, split: str) -> tuple[Listing, list[str], list[str]]:
@@ -344,24 +320,13 @@ def header_sizes(
     step = max(1, len(listing.files) // count)
     sizes = []
     for index in range(0, len(listing.files), step)[:count]:
-        path = os.path.join(listing.root, listing.files[index])
         try:
-            with Image.open(path) as image:
+            with Image.open(listing.path(index)) as image:
                 sizes.append(image.size)
         except Exception as e:  # noqa: BLE001 - not an image after all: say which file
             if not skip_bad:
-                raise bad_sample(listing, index, e) from None
+                raise listing.unreadable(index, e) from None
     return sizes
-
-
-def bad_sample(listing: Listing, index: int, error: BaseException) -> BadSample:
-    path = os.path.join(listing.root, listing.files[index])
-    label = listing.classes[listing.labels[index]]
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return BadSample(
-        f"data error: cannot read image {path} (class '{label}'): {first}; remove "
-        f"or replace it, or set data.on_bad_sample=skip"
-    )
 
 
 def choose_size(cfg: DataConfig, sizes: list[tuple[int, int]]) -> tuple[int, str]:
@@ -393,9 +358,7 @@ def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
 # Building the datasets
 
 
-def build(
-    cfg: DataConfig, seed: int
-) -> tuple[Dataset, Dataset, dict[str, Any], list[str], Normalize]:
+def build(cfg: DataConfig, seed: int) -> Datasets:
     """The train and validation sets of a built-in image dataset or an image folder, what models
     need to know, lines for the banner, and the normalisation done on the device."""
     if cfg.name == "imagefolder":
@@ -417,10 +380,10 @@ def build(
         f"images {size}x{size} ({'their own size' if size == native else 'data.image_size'}), "
         f"transform {kind}: {train.transform.describe()} ({why})"
     ]
-    return train, val, info, notes, Normalize(*norm)
+    return Datasets(train, val, info, notes, Normalize(*norm))
 
 
-def _image_folder(cfg: DataConfig, seed: int) -> tuple:
+def _image_folder(cfg: DataConfig, seed: int) -> Datasets:
     """Rank 0 lists the folder and reads a sample of headers; every rank gets its result (ranks
     never each walk a million files)."""
 
@@ -468,7 +431,7 @@ def _image_folder(cfg: DataConfig, seed: int) -> tuple:
         f"images {size}x{size} ({why}), transform {kind}: {train.transform.describe()} ({kind_why})"
     )
     info = {"num_classes": len(train_list.classes), "in_channels": 3, "image_size": size}
-    return train, val, info, notes, Normalize(*IMAGENET_NORM)
+    return Datasets(train, val, info, notes, Normalize(*IMAGENET_NORM))
 
 
 def _synthetic(cfg: DataConfig) -> tuple:

@@ -1,19 +1,48 @@
-"""The train and validation loaders, how a batch is collated, and how it reaches the device."""
+"""The seams of the data package (`Datasets`, what every dataset builder returns; `Loaders`, the
+train and validation loaders), how a batch is collated, and how it reaches the device."""
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from dtrain import compat, rng
 from dtrain.config import DataConfig
 from dtrain.data.sampler import EvalSampler, Prefix, ResumableSampler
 from dtrain.errors import UserError
+
+
+@dataclass
+class Datasets:
+    """What a dataset builder (registry.DATASETS) returns."""
+
+    train: Dataset
+    val: Dataset
+    info: dict[str, Any]  # what model builders and tasks may need: num_classes, vocab_size, ...
+    notes: list[str] = field(default_factory=list)  # lines for the start-up banner
+    # What a batch goes through once on the device (images: uint8 -> normalised float32).
+    on_device: Callable[[Any], Any] | None = None
+
+    def replaced(self) -> int | None:
+        """Training samples this rank replaced because they could not be read (None when the
+        training set never replaces any): summed over the ranks for the records."""
+        count = getattr(self.train, "replaced_count", None)
+        return count() if count is not None and getattr(self.train, "skip_bad", False) else None
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """The train loader (steered through its sampler's `set_epoch`) and the validation loader."""
+
+    train: DataLoader
+    train_sampler: ResumableSampler
+    val: DataLoader
+    val_sampler: EvalSampler
 
 
 class Stacked(list):
@@ -49,31 +78,21 @@ def to_device(
     """Every tensor of a batch (tensors, tuples, lists, namedtuples, dicts, nested) on `device`
     (asynchronously from pinned memory on CUDA), then what the data does on the device (images:
     uint8 to normalised float), then, with `channels_last`, 4-D float inputs in that format."""
-    batch = _tree_map(batch, lambda t: t.to(device, non_blocking=device.type == "cuda"))
+    batch = compat.tree_map_tensors(
+        lambda t: t.to(device, non_blocking=device.type == "cuda"), batch
+    )
     if on_device is not None:
         batch = on_device(batch)
     if channels_last:
-        batch = _tree_map(
-            batch,
+        batch = compat.tree_map_tensors(
             lambda t: (
                 t.contiguous(memory_format=torch.channels_last)
                 if t.dim() == 4 and t.is_floating_point()
                 else t
             ),
+            batch,
         )
     return batch
-
-
-def _tree_map(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return type(tree)((k, _tree_map(v, fn)) for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
-        return type(tree)(*(_tree_map(v, fn) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tree_map(v, fn) for v in tree)
-    return tree
 
 
 def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
@@ -92,25 +111,18 @@ def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
     )
 
 
-def _seed_worker(worker_id: int) -> None:
-    """Give each loader worker its own seed (for users' own random transforms)."""
-    seed = torch.utils.data.get_worker_info().seed % 2**32
-    random.seed(seed)
-    numpy.random.seed(seed)
-
-
-def close_loaders(loaders: tuple) -> None:
+def close_loaders(loaders: Loaders | None) -> None:
     """Stop the persistent worker processes of the loaders now: the launcher leaves with
     os._exit, which skips the interpreter's clean-up that would otherwise stop them."""
-    for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+    if loaders is not None:
+        compat.shutdown_workers(loaders.train)
+        compat.shutdown_workers(loaders.val)
 
 
 def loaders(
     train_set: Any,
     val_set: Any,
+    *,
     cfg: DataConfig,
     seed: int,
     rank: int,
@@ -118,7 +130,7 @@ def loaders(
     device: torch.device,
     overfit_batches: int = 0,
     workers: int = 0,
-) -> tuple[DataLoader, ResumableSampler, DataLoader, EvalSampler]:
+) -> Loaders:
     """The train loader (steered through its sampler's `set_epoch`) and the validation loader,
     with `workers` loader processes each."""
     shuffle = True
@@ -142,7 +154,7 @@ def loaders(
         pin_memory=device.type == "cuda",
         collate_fn=collate,
         persistent_workers=workers > 0 and cfg.persistent_workers,
-        worker_init_fn=_seed_worker if workers else None,
+        worker_init_fn=rng.seed_loader_worker if workers else None,
     )
     generator = torch.Generator().manual_seed(seed + rank)
     train_loader = DataLoader(
@@ -156,4 +168,4 @@ def loaders(
     val_loader = DataLoader(
         val_set, batch_size=cfg.eval_batch_size or cfg.batch_size, sampler=val_sampler, **common
     )
-    return train_loader, train_sampler, val_loader, val_sampler
+    return Loaders(train_loader, train_sampler, val_loader, val_sampler)

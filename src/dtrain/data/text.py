@@ -14,17 +14,22 @@ Where the validation text comes from: `<root>/train.txt` + `<root>/val.txt`, or 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
-from dtrain.data.loaders import Stacked
+from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.errors import UserError
 
 VOCAB_SIZE = 256
+DEFAULT_SEQ_LEN = 256
+
+
+def seq_len_of(cfg: DataConfig, model_args: dict | None = None) -> int:
+    """The window's length: data.text.seq_len, else the model's seq_len, else 256."""
+    return cfg.text.seq_len or int((model_args or {}).get("seq_len") or DEFAULT_SEQ_LEN)
 
 
 def python_docs() -> bytes:
@@ -158,8 +163,10 @@ def unigram_entropy(data: torch.Tensor) -> float:
     return float(-(p * p.log2()).sum())
 
 
-def build(cfg: DataConfig, seq_len: int) -> tuple[Dataset, Dataset, dict[str, Any], str]:
-    """Train and validation windows, what the model needs to know, and a line for the banner."""
+def build(cfg: DataConfig, seed: int) -> Datasets:
+    """Train and validation windows of `seq_len_of(cfg)` (+ 1) bytes, what the model needs to
+    know, and a line for the banner. The windows' order is the sampler's: `seed` is not used."""
+    seq_len = seq_len_of(cfg)
     train_bytes, val_bytes, source = _splits(cfg)
     stride = cfg.text.stride or seq_len
     train = ByteWindows(_tensor(train_bytes), seq_len, stride)
@@ -180,4 +187,4 @@ def build(cfg: DataConfig, seq_len: int) -> tuple[Dataset, Dataset, dict[str, An
         f"{stride}), {len(val)} validation windows; byte-unigram entropy of the validation "
         f"text {unigram_entropy(val_data):.3f} bits"
     )
-    return train, val, info, banner
+    return Datasets(train, val, info, [banner])

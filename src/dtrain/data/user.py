@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
+from dtrain.data.loaders import Datasets
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.errors import UserError
 from dtrain.imports import load_callable
@@ -51,7 +52,8 @@ def declared_info(train: Dataset) -> dict[str, Any]:
     return info
 
 
-def build(cfg: DataConfig) -> tuple[Dataset, Dataset, dict[str, Any]]:
+def build(cfg: DataConfig, seed: int) -> Datasets:
+    """The user's `data.name` function, called with the data config."""
     result = load_callable(cfg.name, "data.name")(cfg)
     if not (isinstance(result, tuple) and len(result) == 2):
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
@@ -59,4 +61,4 @@ def build(cfg: DataConfig) -> tuple[Dataset, Dataset, dict[str, Any]]:
             f"data error: {cfg.name} must return (train_dataset, val_dataset); it returned {got}"
         )
     train, val = result
-    return IndexOnly(train), val, declared_info(train)
+    return Datasets(IndexOnly(train), val, declared_info(train))

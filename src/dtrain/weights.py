@@ -1,6 +1,7 @@
-"""Starting weights for fine-tuning: `model.init_from` (a dtrain checkpoint, an exported
-state_dict, a torchvision `.pth`) and `model.pretrained` (torchvision's weights from the local
-torch hub cache). Weights only: the optimizer, the schedule and the step start fresh.
+"""Where a model's initial weights come from when not from its own initialisation, for
+fine-tuning: `model.init_from` (a dtrain checkpoint, an exported state_dict, a torchvision `.pth`)
+and `model.pretrained` (torchvision's weights from the local torch hub cache). Weights only: the
+optimizer, the schedule and the step start fresh.
 
 Rank 0 reads a file (memory-mapped) and the other ranks receive what they hold (their shards
 under FSDP): the file is read once, whatever the number of ranks. A sharded dtrain checkpoint is
@@ -19,14 +20,13 @@ from dtrain import dist
 from dtrain.checkpoint.state import (
     FULL_FILE,
     dcp_model_shapes,
-    first_line,
     load_file,
     read_sharded,
     shape_mismatch,
 )
 from dtrain.checkpoint.store import read_marker
 from dtrain.config import ModelConfig
-from dtrain.errors import UserError
+from dtrain.errors import UserError, first_line
 
 
 def pretrained_path(model_name: str) -> str:

@@ -1,0 +1,81 @@
+"""Reading a checkpoint into a model and optimizer: opening it safely, and applying a full or a
+sharded one so that nothing is changed unless every part was read."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import dist
+from dtrain.checkpoint import state as ckpt_state
+from dtrain.checkpoint.store import MARKER, read_marker, verify_files
+from dtrain.errors import UserError, first_line
+
+
+def open_checkpoint(path: str) -> tuple[str, str]:
+    """The folder and format of the checkpoint at `path` (its folder, or a bare checkpoint.pt),
+    after checking that its save completed and that every file it lists has its size."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    marker = read_marker(folder)
+    if marker is None:
+        if os.path.isdir(path):
+            raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
+        return folder, "full"
+    wrong = verify_files(folder, marker)
+    if wrong:
+        raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
+    return folder, marker["format"]
+
+
+def apply_full(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: dict[str, Any] | None,
+    folder: str,
+) -> None:
+    """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    data = data or {"model": {}, "optimizer": {}}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
+    try:
+        set_model_state_dict(model, data["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, data["optimizer"], options=options)
+    except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+        raise UserError(f"checkpoint error: {folder}: {first_line(e)}") from None
+
+
+def apply_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
+    """Read every shard into new tensors first; apply them only when all were read."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    staged = {
+        "model": _empty_like(get_model_state_dict(model)),
+        "optimizer": _empty_like(get_optimizer_state_dict(model, optimizer)),
+    }
+    ckpt_state.read_sharded(folder, staged)
+    set_model_state_dict(model, staged["model"])
+    set_optimizer_state_dict(model, optimizer, staged["optimizer"])
+
+
+def _empty_like(obj: Any) -> Any:
+    """The same structure with new, uninitialised tensors (DTensors keep their sharding)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return {k: _empty_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_empty_like(v) for v in obj]
+    return obj

@@ -1,0 +1,179 @@
+"""torch's private internals that dtrain relies on, in one place.
+
+Each of these is outside torch's public API and may change in any release; tests/test_compat.py
+checks every one of them against the installed torch, so that a change fails there, by name,
+instead of somewhere in a training run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "NORM_LAYERS",
+    "TorchDispatchMode",
+    "aten_ops",
+    "dcp_planner",
+    "dcp_reader",
+    "default_store",
+    "is_in_place",
+    "masked_step",
+    "masked_step_supported",
+    "missing_aten_ops",
+    "set_default_timeout",
+    "shutdown_workers",
+    "tensor_leaves",
+    "tree_map_tensors",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers
+
+# Normalisation layers, by their common base class where torch has one (BatchNorm, InstanceNorm).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def masked_step_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` device flag that turns the whole step
+    into a no-op (what the grad scaler uses): fused optimizers do. torch has no DTensor rule for
+    fused SGD, so SGD over FSDP's sharded parameters is not one."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if isinstance(optimizer, torch.optim.SGD):
+        return not any(hasattr(p, "to_local") for g in optimizer.param_groups for p in g["params"])
+    return True
+
+
+def masked_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """One optimizer step that changes nothing where `found_inf` (a 0-d float tensor on the
+    device) is non-zero: the decision stays on the device, with no wait for the host."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group and loaders
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (every rank can reach it)."""
+    return torch_dist.distributed_c10d._get_default_store()
+
+
+def set_default_timeout(timeout: datetime.timedelta) -> None:
+    """The timeout of the default process group's collectives, from now on."""
+    if hasattr(torch_dist, "set_timeout"):
+        torch_dist.set_timeout(timeout)
+    else:  # torch < 2.8
+        torch_dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def shutdown_workers(loader: torch.utils.data.DataLoader) -> None:
+    """Stop a loader's worker processes now (persistent workers otherwise live until the
+    interpreter's clean-up, which a process that ends with os._exit skips)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees of tensors (batches, states): dicts, lists, tuples, namedtuples, nested
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """`tree` with `fn` applied to every tensor in it, its containers rebuilt alike."""
+    return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in `tree`, in order."""
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch modes (building FSDP shards without the whole model)
+
+_missing_ops: list[str] = []
+
+
+def aten_ops(*names: str) -> set:
+    """The aten overloads named 'op.overload' that this torch has; the others are noted for
+    `missing_aten_ops`."""
+    found = set()
+    for name in names:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is None:
+            _missing_ops.append(name)
+        else:
+            found.add(op)
+    return found
+
+
+def missing_aten_ops() -> list[str]:
+    """The overloads asked of `aten_ops` that this torch does not have."""
+    return list(_missing_ops)
+
+
+def is_in_place(func: Any) -> bool:
+    """Whether an aten overload writes into its first argument (its name ends with '_')."""
+    return func._schema.name.split("::")[-1].endswith("_")
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed checkpoints: reading without unpickling arbitrary objects
+
+
+def dcp_reader(path: str, read_metadata: Callable[[IO[bytes]], Any]) -> Any:
+    """DCP's file-system reader of `path`, reading its `.metadata` file with `read_metadata`
+    instead of pickle.load."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = read_metadata(f)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def dcp_planner(load_bytes: Callable[[IO[bytes]], Any]) -> Any:
+    """DCP's default load planner, reading the values it stored as bytes (anything that is not a
+    tensor) with `load_bytes` instead of torch.load(weights_only=False)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: IO[bytes]) -> None:
+            loaded = load_bytes(value)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return Planner()

@@ -1,0 +1,449 @@
+"""A config is YAML with the sections below (read with `yaml.safe_load`: tags such as
+`!!python/...` are refused); every key has a default, so a config lists only what differs.
+Overrides on the command line are dotted `section.key=value` pairs whose values are read as YAML:
+`optim.lr=3e-4`, `model.args={width: 32}`, `parallel.fsdp.wrap=[BasicBlock]`.
+
+Checking is strict and happens before any process group exists or anything is written: an unknown
+key names the closest valid one (`unknown key 'optim.lrr' (did you mean 'optim.lr'?)`), a wrong
+type or an out-of-range value names the key, malformed YAML gives the file, line and column, each
+as one line on stderr with exit code 2. The resolved config is written to the run directory as
+`config.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _opt(
+    default: Any, *, choices: tuple | None = None, check: Check | None = None, doc: str = ""
+) -> Any:
+    """A config field with its allowed values or a range check (used by validation) and the
+    sentence the configuration reference prints for it."""
+    meta = {"choices": choices, "check": check, "doc": doc}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+POSITIVE: Check = (lambda v: v > 0, "must be > 0")
+NON_NEGATIVE: Check = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_ONE: Check = (lambda v: v >= 1, "must be >= 1")
+FRACTION: Check = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and the one seed it draws from."""
+
+    name: str | None = _opt(
+        None,
+        doc="run directory name; default: `job_<id>` under SLURM, else the config file's name "
+        "(`configs/default.yaml` → `default`), else `default`",
+    )
+    out_dir: str = _opt("runs", doc="parent of all run directories")
+    seed: int = _opt(
+        0,
+        check=NON_NEGATIVE,
+        doc="the one seed: model init, data order, augmentation, per-rank randomness",
+    )
+    private: bool = _opt(True, doc="run directories 0700 and files 0600 (owner only)")
+
+
+@dataclass
+class DistConfig:
+    """The process group: backend and timeouts."""
+
+    backend: str = _opt(
+        "auto", choices=("auto", "nccl", "gloo"), doc="auto: nccl on CUDA, gloo on the CPU"
+    )
+    timeout_s: float = _opt(600.0, check=POSITIVE, doc="collective timeout while training")
+    init_timeout_s: float = _opt(
+        300.0,
+        check=POSITIVE,
+        doc="timeout of the start-up rendezvous (slow starts don't trip the training timeout)",
+    )
+
+
+@dataclass
+class DDPConfig:
+    """Passed to `DistributedDataParallel` when `parallel.mode` is ddp."""
+
+    bucket_cap_mb: float = _opt(25.0, check=POSITIVE, doc="DDP's gradient bucket size")
+    find_unused_parameters: bool = _opt(
+        False, doc="allow parameters that get no gradient in a step (costs a graph walk per step)"
+    )
+    static_graph: bool = _opt(
+        False, doc="tell DDP the set of used parameters is the same at every step"
+    )
+    broadcast_buffers: bool = _opt(
+        True, doc="sync buffers (BatchNorm statistics) from rank 0 at each forward"
+    )
+    gradient_as_bucket_view: bool = _opt(
+        True,
+        doc="gradients are views into DDP's all-reduce buckets: one copy of them per rank, "
+        "not two (false: the bucket copy as in plain DDP)",
+    )
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 (`fully_shard`) when `parallel.mode` is fsdp: see [FSDP](fsdp.md)."""
+
+    wrap: str | list = _opt(
+        "auto",
+        doc="`auto` (each block of the model's sequential stages) or a list of module "
+        "class names, each instance its own unit",
+    )
+    reshard_after_forward: bool = _opt(
+        True, doc="false keeps parameters gathered between forward and backward"
+    )
+    hybrid_replicas: int = _opt(
+        1,
+        check=AT_LEAST_ONE,
+        doc="HSDP: a 2-D mesh of this many replica groups, sharded inside each; 1 = plain FSDP",
+    )
+    cpu_offload: bool = _opt(
+        False, doc="parameters, gradients and optimizer state in host memory (CUDA only)"
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over the ranks."""
+
+    mode: str = _opt(
+        "ddp",
+        choices=("ddp", "fsdp", "none"),
+        doc="none: a bare model, refused with more than one rank",
+    )
+    sync_batchnorm: bool = _opt(
+        False,
+        doc="BatchNorm statistics over all ranks' batches (SyncBatchNorm on GPUs, a cross-rank "
+        "BatchNorm on the CPU), DDP and FSDP",
+    )
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class TaskConfig:
+    """What is learned: a loss and per-sample metrics; see [Tasks](tasks.md)."""
+
+    name: str = _opt(
+        "classification",
+        doc="a built-in task, or a user's `module:function` called with this config",
+    )
+    args: dict = _opt(
+        {}, doc="keyword arguments for a built-in task; a user's builder gets the whole task config"
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The network and where its first weights come from; see [Data and models](data.md)."""
+
+    name: str = _opt(
+        "simple_cnn",
+        doc="a built-in model, `tv:NAME` (a torchvision classifier), or a user's "
+        "`module:function` called with this config",
+    )
+    num_classes: int | None = _opt(None, check=AT_LEAST_ONE, doc="default: from the dataset")
+    args: dict = _opt({}, doc="keyword arguments for the model builder, e.g. `{width: 32}`")
+    activation_checkpointing: bool = _opt(
+        False, doc="recompute each block's activations in backward"
+    )
+    compile: bool = _opt(False, doc="`torch.compile` each block (each FSDP unit)")
+    channels_last: bool = _opt(False, doc="channels-last memory format for model and inputs")
+    init_from: str | None = _opt(
+        None,
+        doc="start from these weights: a dtrain checkpoint, an exported state_dict, "
+        "a torchvision `.pth`",
+    )
+    init_exclude: list = _opt(
+        [], doc="globs of weights left at their initial values, e.g. `[fc.*]`"
+    )
+    init_strict: bool = _opt(True, doc="every other weight must be in `init_from`, with its shape")
+    pretrained: bool = _opt(
+        False,
+        doc="`tv:` models: torchvision's weights from the local torch hub cache "
+        "(never downloaded at run time)",
+    )
+
+
+@dataclass
+class SyntheticConfig:
+    """The built-in offline image set (`data.name: synthetic`)."""
+
+    train_size: int = _opt(20000, check=AT_LEAST_ONE, doc="training images generated")
+    val_size: int = _opt(2000, check=AT_LEAST_ONE, doc="validation images generated")
+
+
+@dataclass
+class TextConfig:
+    """Byte-level text (`data.name: text`)."""
+
+    corpus: str | None = _opt(
+        None,
+        choices=(None, "python_docs"),
+        doc="`python_docs`: the built-in corpus instead of the text at `data.root`",
+    )
+    seq_len: int | None = _opt(
+        None,
+        check=AT_LEAST_ONE,
+        doc="bytes a window predicts; default: `model.args.seq_len`, else 256",
+    )
+    stride: int | None = _opt(
+        None,
+        check=AT_LEAST_ONE,
+        doc="training windows start every this many bytes; default: `seq_len`",
+    )
+    val_fraction: float = _opt(
+        0.1,
+        check=(lambda v: 0 < v < 1, "must be in (0, 1)"),
+        doc="the end of the text held out when there is no `val` file or folder",
+    )
+
+
+@dataclass
+class DataConfig:
+    """Datasets and their loaders; see [Data and models](data.md)."""
+
+    name: str = _opt(
+        "synthetic",
+        doc="a built-in dataset, or a user's `module:function` returning "
+        "`(train_dataset, val_dataset)`",
+    )
+    root: str = _opt("data", doc="where datasets on disk are read from")
+    download: bool = _opt(False, doc="let torchvision download cifar10/mnist (needs a network)")
+    batch_size: int = _opt(128, check=AT_LEAST_ONE, doc="per rank")
+    eval_batch_size: int | None = _opt(None, check=AT_LEAST_ONE, doc="default: `batch_size`")
+    num_workers: int | str = _opt(
+        "auto",
+        check=(lambda v: v == "auto" or (isinstance(v, int) and v >= 0), "must be auto or >= 0"),
+        doc="loader processes per rank; auto: one fewer than each rank's share of the CPUs "
+        "(at most 8)",
+    )
+    persistent_workers: bool = _opt(True, doc="keep loader workers between epochs")
+    augment: bool = _opt(True, doc="false: the validation transform for training too")
+    drop_last: bool = _opt(
+        True,
+        doc="drop the incomplete last batch and the samples that do not divide over ranks",
+    )
+    image_size: int | None = _opt(
+        None,
+        check=AT_LEAST_ONE,
+        doc="null: the images' own size when they share one square size <= 64 px, else 224",
+    )
+    transform: str = _opt(
+        "auto",
+        choices=("auto", "cifar", "imagenet", "none"),
+        doc="auto: cifar up to 64 px, imagenet above (see [Image folders](data.md#image-folders))",
+    )
+    on_bad_sample: str = _opt(
+        "error",
+        choices=("error", "skip"),
+        doc="an unreadable image stops the run (exit 2) or is replaced by the next readable one",
+    )
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, built after wrapping (under FSDP it sees only the rank's shards)."""
+
+    name: str = _opt(
+        "sgd",
+        doc="a built-in optimizer (built fused), or a user's `module:function` called with the "
+        "parameter groups and this config",
+    )
+    lr: float = _opt(0.1, check=POSITIVE, doc="the peak learning rate")
+    weight_decay: float = _opt(5e-4, check=NON_NEGATIVE, doc="for the decayed group")
+    no_decay: str | list = _opt(
+        "auto",
+        doc="parameters without weight decay: auto (biases, norm weights, embeddings) "
+        "or a list of globs",
+    )
+    momentum: float = _opt(0.9, check=FRACTION, doc="sgd")
+    nesterov: bool = _opt(False, doc="sgd")
+    betas: list = _opt([0.9, 0.999], doc="adam/adamw: two numbers")
+    eps: float = _opt(1e-8, check=POSITIVE, doc="adam/adamw")
+
+
+@dataclass
+class SchedConfig:
+    """The learning-rate schedule, stepped per optimizer step (plateau: per evaluation)."""
+
+    name: str = _opt(
+        "cosine",
+        doc="a built-in schedule after the warmup, or a user's `module:function` called with "
+        "the optimizer, this config and the run's total steps",
+    )
+    warmup_steps: int = _opt(0, check=NON_NEGATIVE, doc="linear warmup from 0 before the schedule")
+    min_lr: float = _opt(0.0, check=NON_NEGATIVE, doc="cosine floor")
+    step_size: int = _opt(1000, check=AT_LEAST_ONE, doc="step: decay every this many steps")
+    gamma: float = _opt(0.1, check=POSITIVE, doc="step/plateau: decay factor")
+    patience: int = _opt(
+        2, check=NON_NEGATIVE, doc="plateau: evaluations without improvement of `ckpt.monitor`"
+    )
+
+
+@dataclass
+class TrainConfig:
+    """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
+
+    epochs: int = _opt(10, check=AT_LEAST_ONE, doc="passes over the training set")
+    max_steps: int | None = _opt(
+        None,
+        check=AT_LEAST_ONE,
+        doc="optimizer steps; whichever of epochs and max_steps ends first",
+    )
+    precision: str = _opt(
+        "fp32",
+        choices=("fp32", "bf16", "fp16"),
+        doc="bf16/fp16: autocast (FSDP: its mixed-precision policy); fp16 adds a grad scaler",
+    )
+    grad_accum: int = _opt(1, check=AT_LEAST_ONE, doc="micro-batches per optimizer step")
+    loss_scale_init: float = _opt(
+        65536.0, check=POSITIVE, doc="fp16: the grad scaler's first scale"
+    )
+    clip_grad_norm: float | None = _opt(
+        None, check=POSITIVE, doc="clip the global gradient norm of the whole model"
+    )
+    log_every: int = _opt(
+        50, check=AT_LEAST_ONE, doc="steps between records (metrics.jsonl, TensorBoard, console)"
+    )
+    check_every_steps: int = _opt(
+        10,
+        check=AT_LEAST_ONE,
+        doc="the host reads the device (loss, non-finite steps) and the ranks agree on stop "
+        "signals this often, and at every record, evaluation and save; steps in between "
+        "never wait for the device",
+    )
+    eval_every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = only at the end")
+    eval_every_steps: int | None = _opt(
+        None, check=AT_LEAST_ONE, doc="also evaluate every this many steps"
+    )
+    nan_policy: str = _opt(
+        "stop",
+        choices=("stop", "skip"),
+        doc="a non-finite loss or gradient: end the run (exit 1), or skip the step on every rank",
+    )
+    max_consecutive_skips: int = _opt(
+        10, check=NON_NEGATIVE, doc="skip: more non-finite steps in a row than this stop the run"
+    )
+    detect_anomaly: bool = _opt(False, doc="autograd anomaly detection")
+    sync_debug: bool = _opt(
+        False, doc="CUDA: torch warns at every host-device synchronisation inside a step"
+    )
+    cudnn_benchmark: bool = _opt(False, doc="`torch.backends.cudnn.benchmark`")
+    deterministic: bool = _opt(False, doc="`torch.use_deterministic_algorithms(True)`")
+    overfit_batches: int = _opt(
+        0,
+        check=NON_NEGATIVE,
+        doc="K > 0: train on the same K batches, augmentation off (a smoke test)",
+    )
+
+
+@dataclass
+class CkptConfig:
+    """When checkpoints are saved, which are kept, and how a run resumes; see
+    [Checkpoints](checkpoints.md)."""
+
+    every_steps: int | None = _opt(None, check=AT_LEAST_ONE, doc="save every this many steps")
+    every_epochs: int = _opt(1, check=NON_NEGATIVE, doc="0 = never at epoch ends")
+    keep_last: int = _opt(
+        3, check=AT_LEAST_ONE, doc="how many of the last saved checkpoints are kept"
+    )
+    keep_best: int = _opt(
+        1, check=NON_NEGATIVE, doc="best checkpoints by `ckpt.monitor`, kept beside the last ones"
+    )
+    monitor: str = _opt(
+        "val_acc",
+        doc="a metric the task reports (`val_loss`, `val_acc`, `val_<name>`); any other name "
+        "is exit 2",
+    )
+    monitor_mode: str = _opt(
+        "max", choices=("max", "min"), doc="max: higher `ckpt.monitor` is better; min: lower"
+    )
+    resume: str = _opt("auto", doc="auto | none | PATH")
+    resume_config_change: str = _opt(
+        "refuse",
+        choices=("refuse", "allow"),
+        doc="resuming with a config that trains something else",
+    )
+    format: str = _opt(
+        "auto",
+        choices=("auto", "full", "sharded"),
+        doc="auto: full for DDP/none, sharded for FSDP",
+    )
+    async_: bool = _opt(False, doc="write checkpoints in the background")
+
+
+@dataclass
+class ProfileConfig:
+    """The torch profiler's schedule, in optimizer steps."""
+
+    enabled: bool = _opt(False, doc="record one window of steps on every rank")
+    wait: int = _opt(1, check=NON_NEGATIVE, doc="steps skipped first")
+    warmup: int = _opt(1, check=NON_NEGATIVE, doc="steps traced but not recorded")
+    active: int = _opt(3, check=AT_LEAST_ONE, doc="steps recorded")
+
+
+@dataclass
+class LogConfig:
+    """What a run reports, and where; see [Watching a run](watching.md)."""
+
+    tensorboard: bool = _opt(True, doc="rank 0 writes TensorBoard events to `tb/`")
+    every_s: float = _opt(
+        30.0,
+        check=POSITIVE,
+        doc="non-terminal consoles: a progress line at least this often "
+        "(besides one every `train.log_every` steps)",
+    )
+    all_ranks: bool = _opt(False, doc="every rank prints to the console, not only rank 0")
+    progress: str = _opt(
+        "auto",
+        choices=("auto", "bar", "lines"),
+        doc="auto: a bar on a terminal, timestamped lines elsewhere",
+    )
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+@dataclass
+class SlurmConfig:
+    """Behaviour inside a SLURM job; see [SLURM](slurm.md)."""
+
+    requeue: bool = _opt(
+        True,
+        doc="after a stop signal's checkpoint, rank 0 requeues the running SLURM job "
+        "(`scontrol requeue`)",
+    )
+
+
+@dataclass
+class Config:
+    """The whole run configuration, one section per field."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.out_dir, self.run.name or "default")

@@ -1,0 +1,62 @@
+"""Where log lines go: the console (rank 0, or every rank when asked) and one file per rank in
+the run directory, kept in memory until that directory is known to be the run's own."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from dtrain.observe.progress import Progress
+
+log = logging.getLogger("dtrain")
+
+
+def setup_logging(rank: int, all_ranks: bool) -> None:
+    """Rank 0 logs to the console and log.txt; rank N to log.rankN.txt (and the console if asked).
+    Lines are kept until `attach_log_files` names the run directory: a run writes nothing there
+    before the directory is known to be its own."""
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    fmt = logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    if rank == 0 or all_ranks:
+        console = ConsoleHandler(sys.stderr)
+        console.setFormatter(fmt)
+        log.addHandler(console)
+    early = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
+    early.setFormatter(fmt)
+    log.addHandler(early)
+
+
+def attach_log_files(run_dir: str, rank: int) -> None:
+    """Log into the run directory from now on, the lines logged so far first."""
+    name = "log.txt" if rank == 0 else f"log.rank{rank}.txt"
+    handler = logging.FileHandler(os.path.join(run_dir, name), encoding="utf-8")
+    for early in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
+        handler.setFormatter(early.formatter)
+        early.setTarget(handler)
+        early.flush()
+        log.removeHandler(early)
+    log.addHandler(handler)
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """The console handler. A log line first erases a live progress bar on the same terminal and
+    redraws it below, so that lines and bar never run into each other."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.bar: Progress | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = self.bar
+        if bar is not None:
+            bar.erase()
+        super().emit(record)
+        if bar is not None:
+            bar.redraw()

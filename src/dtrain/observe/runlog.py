@@ -1,0 +1,83 @@
+"""The one object the training loop reports to: records go to the sinks (rank 0), logged steps
+and evaluations to the console and log files."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dtrain.config import Config, flatten, to_dict
+from dtrain.observe.logs import log
+from dtrain.observe.progress import Progress, format_record
+from dtrain.observe.sinks import Record, Sink, build_sinks
+
+
+class RunLog:
+    """The run's records. Every method is a no-op except on rank 0 (logging aside).
+
+    `sinks` replaces the ones the config asks for (`build_sinks`); either way only rank 0 has
+    any, and they are opened here: metrics.jsonl loses the records after `resumed_step` at once.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str,
+        is_main: bool,
+        resumed_step: int,
+        superseded: str | None = None,
+        *,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
+        self.cfg, self.is_main = cfg, is_main
+        self.progress = Progress(sys.stderr, cfg.log.progress, cfg.log.every_s)
+        self.sinks: list[Sink] = []
+        if is_main:
+            self.sinks = (
+                list(sinks)
+                if sinks is not None
+                else build_sinks(cfg, run_dir, resumed_step, superseded)
+            )
+
+    def _write(self, record: Record) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def train(
+        self,
+        record: dict[str, Any],
+        extra_scalars: dict[str, float],
+        done_in_epoch: int,
+        at_log_step: bool,
+    ) -> None:
+        """A training step's figures: to the sinks at logged steps (`extra_scalars` to the
+        dashboards only), to the console in any case."""
+        if not self.is_main:
+            return
+        if at_log_step:
+            self._write(Record("train", record, extra_scalars))
+        self.progress.update(done_in_epoch, record, at_log_step)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        log.info(format_record(record))  # every rank's log: they must all show the same numbers
+        if self.is_main:
+            self._write(Record("val", record))
+
+    def hparams(self, step: int, final_metrics: dict[str, float | None]) -> None:
+        """The flattened resolved config and the final/best metrics (those known), for the
+        sinks that compare runs by them (TensorBoard's HParams tab)."""
+        if not self.sinks:
+            return
+        config = {
+            key: (value if isinstance(value, (int, float, str, bool)) else str(value))
+            for key, value in flatten(to_dict(self.cfg)).items()
+        }
+        final = {key: value for key, value in final_metrics.items() if value is not None}
+        for sink in self.sinks:
+            sink.hparams(step, config, final)
+
+    def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()

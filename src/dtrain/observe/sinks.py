@@ -1,0 +1,173 @@
+"""Where a run's records go, behind one small interface: metrics.jsonl and TensorBoard today;
+an experiment tracker is one more class with the same three methods and one entry in
+`build_sinks`.
+
+Only rank 0 has sinks. On resume, each sink drops what the interrupted attempt wrote after the
+resumed step (metrics.jsonl is rewritten, TensorBoard purges), so that every curve continues
+without duplicate or out-of-order steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from dtrain.config import Config
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of a run, as every sink receives it.
+
+    `values` is exactly one line of metrics.jsonl: `step`, `epoch`, then the figures (`loss`,
+    `lr`, ... for "train"; `val_loss`, `val_acc`, ... for "val"). `scalars` are figures for
+    dashboards only, already named by their tag (`mem/rss_gb`): metrics.jsonl does not hold them.
+    """
+
+    kind: Literal["train", "val"]
+    values: Mapping[str, Any]
+    scalars: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.values["step"])
+
+
+class Sink(Protocol):
+    """A destination of records. Called on rank 0 only, in step order, from the training loop:
+    a sink must not call collectives, and should be quick (it runs between two steps)."""
+
+    def write(self, record: Record) -> None:
+        """Keep one record; on disk (or sent) before returning, so that a killed run keeps it."""
+
+    def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
+        """At the end of a run: the resolved config flattened to dotted keys with scalar values
+        (`optim.lr`: 0.05), and the final and best metrics (`val_loss`, `best_val_acc`)."""
+
+    def close(self) -> None:
+        """Release files and connections; called once, also after a failed run."""
+
+
+def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | None) -> list[Sink]:
+    """The sinks the config asks for, on rank 0. `superseded` is where a rewind moved the
+    abandoned history (records dropped on resume go there too)."""
+    sinks: list[Sink] = [
+        JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resumed_step, superseded)
+    ]
+    if cfg.log.tensorboard:
+        sinks.append(TensorBoardSink(os.path.join(run_dir, "tb"), resumed_step))
+    return sinks
+
+
+class JsonlSink:
+    """metrics.jsonl: one JSON object per record, flushed at once."""
+
+    def __init__(self, path: str, resumed_step: int, superseded: str | None = None) -> None:
+        drop_records_after(path, resumed_step, superseded)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: Record) -> None:
+        self.file.write(json.dumps(dict(record.values)) + "\n")
+        self.file.flush()
+
+    def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
+        """Nothing: config.yaml holds the config and the records the metrics."""
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def drop_records_after(path: str, step: int, superseded: str | None = None) -> None:
+    """Keep only records up to `step` (all of them for a fresh start with step 0 and no file).
+    The dropped records go to `superseded/<time>/metrics.jsonl` when a rewind moved checkpoints
+    there, so that nothing of the abandoned history is lost."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept, dropped = [], []
+    for line in lines:
+        try:
+            (kept if json.loads(line)["step"] <= step else dropped).append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a crash mid-write
+    if dropped and superseded is not None:
+        with open(os.path.join(superseded, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.writelines(dropped)
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+class TensorBoardSink:
+    """TensorBoard event files in `log_dir`: train/<figure>, val/<metric>, the records' scalars
+    under their own tags, and the HParams tab at the end, all in one event file per attempt."""
+
+    TRAIN_FIGURES = (
+        "loss",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+        "step_time_s",
+        "data_wait_pct",
+        "tokens_per_s",
+        "flops_per_s",
+        "mfu",
+    )
+
+    def __init__(self, log_dir: str, resumed_step: int) -> None:
+        self.log_dir = log_dir
+        # TensorBoard discards the events an earlier attempt wrote from this step on (after the
+        # resumed checkpoint; all of them on a fresh start in a used directory).
+        self.purge_step = resumed_step + 1
+        self._writer: SummaryWriter | None = None
+
+    @property
+    def writer(self) -> SummaryWriter:
+        """Made at the first record rather than on the way to the first step (importing
+        TensorBoard takes a while)."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(self.log_dir, purge_step=self.purge_step)
+        return self._writer
+
+    def write(self, record: Record) -> None:
+        step, values = record.step, record.values
+        if record.kind == "train":
+            for key in self.TRAIN_FIGURES:
+                if values.get(key) is not None:
+                    self.writer.add_scalar(f"train/{key}", values[key], step)
+        else:
+            for key, value in values.items():
+                if key.startswith("val_"):
+                    self.writer.add_scalar(f"val/{key[4:]}", value, step)
+        for tag, value in record.scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        # On disk at every record, as metrics.jsonl is: a killed run keeps its curves.
+        self.writer.flush()
+
+    def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
+        """The HParams tab, written by the run's own writer (SummaryWriter.add_hparams would
+        open a second event file)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {f"hparam/{key}": value for key, value in final.items()}
+        for summary in hparams(dict(config), metrics):
+            self.writer.file_writer.add_summary(summary, step)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

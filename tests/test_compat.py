@@ -1,0 +1,169 @@
+"""The torch internals of dtrain.compat, each checked against the installed torch: when a torch
+release renames or changes one, the test of that one fails here, by name."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dtrain import compat, dist
+
+
+# -- the optimizer's masked step ----------------------------------------------------------------
+
+def _adam_after_one_step(fused: bool = True) -> tuple[nn.Parameter, torch.optim.Optimizer]:
+    param = nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=fused)
+    param.grad = torch.full((4,), 0.5)
+    optimizer.step()
+    param.grad = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    return param, optimizer
+
+
+def test_fused_optimizers_take_a_masked_step_and_plain_ones_do_not() -> None:
+    param = nn.Parameter(torch.ones(2))
+    assert compat.masked_step_supported(torch.optim.Adam([param], fused=True))
+    assert compat.masked_step_supported(torch.optim.AdamW([param], fused=True))
+    assert compat.masked_step_supported(torch.optim.SGD([param], lr=0.1, fused=True))
+    assert not compat.masked_step_supported(torch.optim.Adam([param], fused=False))
+    assert not compat.masked_step_supported(torch.optim.SGD([param], lr=0.1))
+
+
+def test_a_masked_step_with_found_inf_changes_neither_params_nor_state() -> None:
+    param, optimizer = _adam_after_one_step()
+    params_before = param.detach().clone()
+    state_before = {k: v.clone() for k, v in optimizer.state[param].items()}
+    compat.masked_step(optimizer, torch.tensor(1.0))
+    assert torch.equal(param, params_before)
+    assert all(torch.equal(optimizer.state[param][k], v) for k, v in state_before.items())
+    assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
+
+
+def test_a_masked_step_without_found_inf_is_an_ordinary_step() -> None:
+    param, optimizer = _adam_after_one_step()
+    reference, reference_optimizer = _adam_after_one_step()
+    compat.masked_step(optimizer, torch.tensor(0.0))
+    reference_optimizer.step()
+    assert not torch.equal(param, torch.ones(4))
+    assert torch.equal(param, reference)
+    assert int(optimizer.state[param]["step"]) == 2
+
+
+# -- process group, loaders, timeouts ----------------------------------------------------------
+
+@pytest.fixture
+def one_rank_group():
+    torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_the_default_store_is_the_groups_rendezvous_store(one_rank_group) -> None:
+    store = compat.default_store()
+    store.set("dtrain/test", "value")
+    assert store.check(["dtrain/test"]) and store.get("dtrain/test") == b"value"
+    # what dist builds on it: the ranks that report back, and a rank's last word
+    assert dist.ranks_not_arriving("t", wait_s=1.0) == []
+    dist.announce_abort("data error: unreadable")
+    assert dist.abort_message(wait_s=0.1) == "data error: unreadable"
+
+
+def test_the_collective_timeout_can_be_changed_after_init(one_rank_group) -> None:
+    compat.set_default_timeout(datetime.timedelta(seconds=7))
+    tensor = torch.ones(1)
+    torch_dist.all_reduce(tensor)
+    assert tensor.item() == 1.0
+
+
+def test_shutting_down_a_loaders_persistent_workers() -> None:
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1,
+                        persistent_workers=True)
+    assert len(list(loader)) == 4
+    assert multiprocessing.active_children()
+    compat.shutdown_workers(loader)
+    assert not multiprocessing.active_children()
+    compat.shutdown_workers(DataLoader(TensorDataset(torch.arange(2.0))))  # never iterated: no-op
+
+
+# -- trees of tensors -----------------------------------------------------------------------------
+
+Pair = namedtuple("Pair", "x y")
+
+
+def test_tree_helpers_walk_dicts_lists_tuples_and_namedtuples() -> None:
+    tree = {"a": [torch.ones(1), (torch.zeros(2), "label")], "b": Pair(torch.ones(3), 4),
+            "c": OrderedDict(d=torch.ones(4))}
+    doubled = compat.tree_map_tensors(lambda t: t * 2, tree)
+    assert isinstance(doubled["b"], Pair) and doubled["b"].y == 4
+    assert isinstance(doubled["c"], OrderedDict) and doubled["a"][1][1] == "label"
+    assert torch.equal(doubled["b"].x, torch.full((3,), 2.0))
+    assert [t.numel() for t in compat.tensor_leaves(tree)] == [1, 2, 3, 4]
+    assert compat.tensor_leaves(torch.ones(5))[0].numel() == 5
+
+
+# -- dispatch modes ----------------------------------------------------------------------------
+
+def test_every_aten_op_dtrain_names_exists(monkeypatch) -> None:
+    import dtrain.sharded_init  # noqa: F401 - builds its op lists on import
+
+    assert compat.missing_aten_ops() == []
+    monkeypatch.setattr(compat, "_missing_ops", [])
+    assert compat.aten_ops("no_such_op.default", "add.Tensor") == {torch.ops.aten.add.Tensor}
+    assert compat.missing_aten_ops() == ["no_such_op.default"]
+
+
+def test_a_dispatch_mode_sees_aten_overloads_with_their_schema_and_tags() -> None:
+    seen = []
+
+    class Record(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.empty(3).fill_(1.0).mul(2.0)
+    assert torch.ops.aten.fill_.Scalar in seen and torch.ops.aten.mul.Tensor in seen
+    assert compat.is_in_place(torch.ops.aten.fill_.Scalar)
+    assert not compat.is_in_place(torch.ops.aten.mul.Tensor)
+    assert torch.Tag.pointwise in torch.ops.aten.mul.Tensor.tags
+
+
+# -- distributed checkpoints -------------------------------------------------------------------
+
+def test_dcp_reads_metadata_and_byte_values_through_our_functions(tmp_path) -> None:
+    import pickle
+
+    saved = {"model": {"w": torch.arange(4.0)}, "meta": {"step": 7, "name": "run"}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    calls = {"metadata": 0, "bytes": 0}
+
+    def read_metadata(f):
+        calls["metadata"] += 1
+        return pickle.load(f)
+
+    def load_bytes(value):
+        calls["bytes"] += 1
+        return torch.load(value, weights_only=True)
+
+    state = {"model": {"w": torch.zeros(4)}, "meta": {"step": 0, "name": ""}}
+    dcp.load(state, storage_reader=compat.dcp_reader(str(tmp_path), read_metadata),
+             planner=compat.dcp_planner(load_bytes), no_dist=True)
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
+    assert state["meta"] == {"step": 7, "name": "run"}
+    assert calls["metadata"] >= 1 and calls["bytes"] == 2
+
+
+def test_norm_layers_cover_batch_instance_layer_and_group_norms() -> None:
+    for layer in (nn.BatchNorm2d(2), nn.InstanceNorm2d(2), nn.LayerNorm(2), nn.GroupNorm(1, 2)):
+        assert isinstance(layer, compat.NORM_LAYERS)
+    assert not isinstance(nn.Linear(2, 2), compat.NORM_LAYERS)
