@@ -3,10 +3,11 @@ not grow with the number of images.
 
 - Throughput: train-loader images/s on a JPEG folder written by the benchmark (5,000 images of
   256x256), ImageNet-style transforms at 224, the same workers and batch size on both sides.
-  dtrain: its image folder (decoded per sample in the workers, uint8 crops) and the normalisation
-  it does on the device (here the CPU, in the training process). Reference: torchvision's
-  ImageFolder + transforms.v2 RandomResizedCrop / RandomHorizontalFlip / ToImage / ToDtype /
-  Normalize in the workers, and a DataLoader. Rounds alternate; medians.
+  dtrain: its image folder (decoded per sample with Pillow in the workers, uint8 crops) and the
+  normalisation it does on the device (here the CPU, in the training process). Reference:
+  torchvision's ImageFolder (Pillow's decoder too) + transforms.v2 RandomResizedCrop /
+  RandomHorizontalFlip / ToImage / ToDtype / Normalize in the workers, and a DataLoader. Rounds
+  alternate; medians.
 - Memory: the largest rank's peak RSS of a 2-rank run (20 steps) on a folder of 64x64 JPEGs with
   2,000 and with 20,000 images.
 - Small images learn: `configs/default.yaml` as it is (8 epochs) with only `data.name:

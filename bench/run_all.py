@@ -29,11 +29,14 @@ import memory  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
 import startup  # noqa: E402
+import tokenize_speed  # noqa: E402
+import tokens_data  # noqa: E402
 from common import Figure  # noqa: E402
 
 BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memory,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
-              "peers": peers, "exit_codes": exit_codes, "headline": headline}
+              "peers": peers, "exit_codes": exit_codes, "headline": headline,
+              "tokenize": tokenize_speed, "tokens": tokens_data}
 # Run on request only (--only exit_codes): 40 launches, several minutes.
 DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
 

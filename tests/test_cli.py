@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, latest
 
-COMMANDS = ["train", "plan", "doctor", "export", "runs"]
+COMMANDS = ["train", "plan", "doctor", "export", "runs", "tokenize"]
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)], ids=["dtrain", *COMMANDS])

@@ -80,6 +80,49 @@ def test_transforms_are_torchvisions_and_a_pure_function_of_the_sample(folder) -
     assert Transform("none", 32, train=True, seed=5)(image, 0, 0).shape == (3, 32, 32)
 
 
+# ---------------------------------------------------------------------------------------------
+# Decoding with Pillow: every mode to RGB uint8 (3, H, W), no deprecated torchvision decoder
+
+@pytest.mark.parametrize("mode,suffix", [("RGB", ".jpg"), ("L", ".png"), ("RGBA", ".png"),
+                                         ("LA", ".png"), ("P", ".png"), ("P", ".gif"),
+                                         ("CMYK", ".jpg")])
+def test_images_of_every_mode_decode_to_rgb_uint8(tmp_path, mode, suffix) -> None:
+    import warnings
+
+    import numpy as np
+    from PIL import Image
+    from dtrain.data.decode import decode
+    pixels = np.random.default_rng(0).integers(0, 256, (10, 12, 3), dtype=np.uint8)  # 12 wide
+    picture = Image.fromarray(pixels).convert(mode)
+    path = tmp_path / f"image{suffix}"
+    picture.save(path, **({"transparency": 0} if mode == "P" else {}))
+    with Image.open(path) as saved:
+        rgb = saved.convert("RGBA") if saved.mode == "P" else saved
+        expected = torch.from_numpy(np.array(rgb.convert("RGB"))).permute(2, 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's palette warning, torchvision's deprecation
+        image = decode(str(path))
+        from_bytes = decode(path.read_bytes())
+    assert image.dtype == torch.uint8 and image.shape == (3, 10, 12)
+    assert torch.equal(image, expected) and torch.equal(from_bytes, expected)
+
+
+def test_pixel_arrays_become_rgb_uint8_whatever_their_layout() -> None:
+    import numpy as np
+    from dtrain.data.decode import from_array
+    rgb = np.random.default_rng(0).integers(0, 256, (10, 12, 3), dtype=np.uint8)
+    expected = torch.from_numpy(rgb).permute(2, 0, 1)
+    assert torch.equal(from_array(rgb), expected)
+    assert torch.equal(from_array(rgb.transpose(2, 0, 1)), expected)  # channels first
+    rgba = np.concatenate([rgb, np.full((10, 12, 1), 7, np.uint8)], axis=-1)
+    assert torch.equal(from_array(rgba), expected)  # alpha dropped
+    grey = rgb[..., 0]
+    for layout in (grey, grey[..., None], grey[None]):
+        assert torch.equal(from_array(layout), torch.from_numpy(grey).expand(3, 10, 12))
+    with pytest.raises(ValueError, match="pixel arrays must be uint8, not float32"):
+        from_array(rgb.astype(np.float32))
+
+
 def test_constructing_the_datasets_decodes_nothing(tmp_path, monkeypatch) -> None:
     """Every file is garbage with an image's name: listing works, the first use names the file."""
     from dtrain.config import DataConfig

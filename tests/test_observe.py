@@ -29,7 +29,7 @@ from conftest import (REPO, TINY, TRAIN, Result, child_env, kill_tree, launch, t
 
 TRAIN_TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/samples_per_s",
               "train/step_time_s", "train/data_wait_pct"]
-LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+) \| epoch \d+ \| loss ", re.M)
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+) \| epoch \d+ \| (?:loss|lr) ", re.M)
 
 
 def read_tb(run_dir: Path) -> EventAccumulator:

@@ -28,7 +28,7 @@ def test_every_entry_names_a_builder_that_exists(table) -> None:
                              "simple_cnn, resnet_small, transformer, gpt, tv:NAME or module:function "
                              "(did you mean 'resnet_small'?)"),
     ("data.name", "cifar", "config error: data.name: unknown dataset 'cifar'; use one of synthetic, "
-                           "cifar10, mnist, fashion_mnist, imagefolder, text or module:function "
+                           "cifar10, mnist, fashion_mnist, imagefolder, text, tokens, hf or module:function "
                            "(did you mean 'cifar10'?)"),
     ("task.name", "translation", "config error: task.name: unknown task 'translation'; use one of "
                                  "classification, language_model, model_loss or module:function"),
@@ -103,7 +103,8 @@ def test_every_dataset_builder_returns_datasets() -> None:
     assert all(isinstance(d, data.Datasets) for d in built.values())
     assert (len(built["synthetic"].train), built["synthetic"].info["num_classes"]) == (64, 10)
     assert built["synthetic"].on_device is not None
-    assert built["text"].info == {"vocab_size": 256, "seq_len": 32}  # the model's seq_len
+    # the model's seq_len; bytes are their own tokens
+    assert built["text"].info == {"vocab_size": 256, "seq_len": 32, "bytes_per_token": 1.0}
     assert built["text"].train[0].shape == (33,) and built["text"].notes
     assert (len(built["user_tasks:points"].train), len(built["user_tasks:points"].val)) == (32, 8)
 

@@ -1,4 +1,4 @@
-"""The `dtrain` command: train | plan | doctor | export | runs.
+"""The `dtrain` command: train | plan | doctor | export | runs | tokenize.
 
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
@@ -14,8 +14,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtrain import config
 
@@ -59,6 +57,68 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from dtrain import tokenize
+
+    meta = tokenize.tokenize(
+        args.inputs,
+        args.out,
+        vocab_size=args.vocab_size,
+        tokenizer_path=args.tokenizer,
+        corpus=args.corpus,
+        val_fraction=args.val_fraction,
+        val_inputs=args.val,
+        column=args.column,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        eot=args.eot,
+    )
+    print(tokenize.summary(args.out, meta))
+    return 0
+
+
+def _tokenize_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="UTF-8 .txt files, .jsonl files, parquet files, folders of them, or datasets "
+        "save_to_disk folders (of a DatasetDict: its train split, and for --val its "
+        "validation or test split); a document is a file, a JSON line or a row",
+    )
+    p.add_argument("--corpus", choices=("python_docs",), help="the built-in corpus instead")
+    p.add_argument("--out", metavar="DIR", required=True, help="where the shards go")
+    tokenizer = p.add_mutually_exclusive_group(required=True)
+    tokenizer.add_argument(
+        "--vocab-size", type=int, metavar="N", help="train a byte-level BPE of N tokens"
+    )
+    tokenizer.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json")
+    held_out = p.add_mutually_exclusive_group()
+    held_out.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="hold out the last F of the token stream for validation (default 0.1)",
+    )
+    held_out.add_argument(
+        "--val", nargs="+", metavar="INPUT", help="validation inputs instead of a held-out part"
+    )
+    p.add_argument(
+        "--column", default="text", help="the text field or column of .jsonl, parquet, datasets"
+    )
+    p.add_argument(
+        "--workers", type=int, metavar="K", help="encoding threads (default: every core)"
+    )
+    p.add_argument(
+        "--eot",
+        metavar="TOKEN",
+        help="the end-of-text token (default <|endoftext|>; for --tokenizer, the first it "
+        "has of <|endoftext|>, <|end_of_text|>, </s>, <eos>)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the shards already in --out")
+
+
 def _with_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (defaults apply without one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -90,6 +150,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     p = command("runs", "list past runs", _runs)
     p.add_argument("--out-dir", default="runs", help="the runs' run.out_dir")
+    _tokenize_options(command("tokenize", "text into token shards for data.name=tokens", _tokenize))
     return commands
 
 
@@ -142,10 +203,8 @@ def _exit_code(stop: SystemExit) -> int:
     return 1
 
 
-@record
 def _run(handler: Handler, args: argparse.Namespace) -> int:
-    from dtrain.checkpoint import CheckpointError
-    from dtrain.errors import PeerFailure, TrainingStopped, UserError
+    from dtrain.errors import CheckpointError, PeerFailure, TrainingStopped, UserError
 
     try:
         return handler(args)
@@ -162,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         handler, args = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as stop:  # argparse has printed the help (0) or the usage error (2)
         return _exit_code(stop)
-    # torch's `record` hands back None where the command raised SystemExit(0).
-    return _run(handler, args) or 0
+    if handler is not _train:  # the other commands need no torch to start
+        return _run(handler, args)
+    # Under torchrun, a failed rank's error goes to the file the agent reports from. `record`
+    # hands back None where the command raised SystemExit(0).
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run)(handler, args) or 0
 
 
 def entry(argv: list[str] | None = None) -> None:

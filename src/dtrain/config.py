@@ -16,10 +16,10 @@ from typing import Any, Union
 
 import yaml
 
+from dtrain.config_data import DataConfig, SyntheticConfig, TextConfig
 from dtrain.config_schema import (
     CkptConfig,
     Config,
-    DataConfig,
     DDPConfig,
     DistConfig,
     FSDPConfig,
@@ -31,9 +31,7 @@ from dtrain.config_schema import (
     RunConfig,
     SchedConfig,
     SlurmConfig,
-    SyntheticConfig,
     TaskConfig,
-    TextConfig,
     TrainConfig,
 )
 from dtrain.errors import UserError

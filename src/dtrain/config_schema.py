@@ -13,28 +13,16 @@ as one line on stderr with exit code 2. The resolved config is written to the ru
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-Check = tuple[Callable[[Any], bool], str]
-
-
-def _opt(
-    default: Any, *, choices: tuple | None = None, check: Check | None = None, doc: str = ""
-) -> Any:
-    """A config field with its allowed values or a range check (used by validation) and the
-    sentence the configuration reference prints for it."""
-    meta = {"choices": choices, "check": check, "doc": doc}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-POSITIVE: Check = (lambda v: v > 0, "must be > 0")
-NON_NEGATIVE: Check = (lambda v: v >= 0, "must be >= 0")
-AT_LEAST_ONE: Check = (lambda v: v >= 1, "must be >= 1")
-FRACTION: Check = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+from dtrain.config_data import DataConfig
+from dtrain.config_fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    _opt,
+)
 
 
 @dataclass
@@ -174,84 +162,6 @@ class ModelConfig:
         doc="`tv:` models: torchvision's weights from the local torch hub cache "
         "(never downloaded at run time)",
     )
-
-
-@dataclass
-class SyntheticConfig:
-    """The built-in offline image set (`data.name: synthetic`)."""
-
-    train_size: int = _opt(20000, check=AT_LEAST_ONE, doc="training images generated")
-    val_size: int = _opt(2000, check=AT_LEAST_ONE, doc="validation images generated")
-
-
-@dataclass
-class TextConfig:
-    """Byte-level text (`data.name: text`)."""
-
-    corpus: str | None = _opt(
-        None,
-        choices=(None, "python_docs"),
-        doc="`python_docs`: the built-in corpus instead of the text at `data.root`",
-    )
-    seq_len: int | None = _opt(
-        None,
-        check=AT_LEAST_ONE,
-        doc="bytes a window predicts; default: `model.args.seq_len`, else 256",
-    )
-    stride: int | None = _opt(
-        None,
-        check=AT_LEAST_ONE,
-        doc="training windows start every this many bytes; default: `seq_len`",
-    )
-    val_fraction: float = _opt(
-        0.1,
-        check=(lambda v: 0 < v < 1, "must be in (0, 1)"),
-        doc="the end of the text held out when there is no `val` file or folder",
-    )
-
-
-@dataclass
-class DataConfig:
-    """Datasets and their loaders; see [Data and models](data.md)."""
-
-    name: str = _opt(
-        "synthetic",
-        doc="a built-in dataset, or a user's `module:function` returning "
-        "`(train_dataset, val_dataset)`",
-    )
-    root: str = _opt("data", doc="where datasets on disk are read from")
-    download: bool = _opt(False, doc="let torchvision download cifar10/mnist (needs a network)")
-    batch_size: int = _opt(128, check=AT_LEAST_ONE, doc="per rank")
-    eval_batch_size: int | None = _opt(None, check=AT_LEAST_ONE, doc="default: `batch_size`")
-    num_workers: int | str = _opt(
-        "auto",
-        check=(lambda v: v == "auto" or (isinstance(v, int) and v >= 0), "must be auto or >= 0"),
-        doc="loader processes per rank; auto: one fewer than each rank's share of the CPUs "
-        "(at most 8)",
-    )
-    persistent_workers: bool = _opt(True, doc="keep loader workers between epochs")
-    augment: bool = _opt(True, doc="false: the validation transform for training too")
-    drop_last: bool = _opt(
-        True,
-        doc="drop the incomplete last batch and the samples that do not divide over ranks",
-    )
-    image_size: int | None = _opt(
-        None,
-        check=AT_LEAST_ONE,
-        doc="null: the images' own size when they share one square size <= 64 px, else 224",
-    )
-    transform: str = _opt(
-        "auto",
-        choices=("auto", "cifar", "imagenet", "none"),
-        doc="auto: cifar up to 64 px, imagenet above (see [Image folders](data.md#image-folders))",
-    )
-    on_bad_sample: str = _opt(
-        "error",
-        choices=("error", "skip"),
-        doc="an unreadable image stops the run (exit 2) or is replaced by the next readable one",
-    )
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    text: TextConfig = field(default_factory=TextConfig)
 
 
 @dataclass

@@ -8,6 +8,7 @@ on the loopback) shows up here rather than after a job has queued.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -297,7 +298,7 @@ def check_launcher() -> Check:
 
 def run_checks(report: Callable[[Check], None]) -> list[Check]:
     checks: list[Callable[[], Check]] = [check_versions, check_devices]
-    checks += [lambda d=d: check_matmul(d) for d in devices()]
+    checks += [functools.partial(check_matmul, d) for d in devices()]
     checks += [check_backends, check_launcher, check_all_reduce]
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         checks.append(lambda: check_all_reduce("nccl"))

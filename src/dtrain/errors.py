@@ -13,6 +13,12 @@ class TrainingStopped(Exception):
     exit_code = 1
 
 
+class CheckpointError(Exception):
+    """A save failed (disk full, no permission): exit 1, with the previous checkpoint kept."""
+
+    exit_code = 1
+
+
 class PeerFailure(Exception):
     """A collective failed because another rank died or stalled: exit 1 with this message, on
     every rank that saw it (it is not the same on all ranks)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 from dtrain.errors import UserError
 
@@ -24,3 +25,17 @@ def load_callable(spec: str, what: str) -> Callable:
     if not callable(fn):
         raise UserError(f"config error: {what}: '{module_name}' has no callable '{attr}'")
     return fn
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """`module`, imported; when it is not installed, one line naming the extra that brings it
+    (a module that is there but fails to import is that module's own error)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.partition(".")[0]:
+            raise
+        raise UserError(
+            f"missing dependency: {feature} needs the '{extra}' extra: "
+            f"pip install 'dtrain[{extra}]'"
+        ) from None

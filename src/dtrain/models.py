@@ -227,8 +227,9 @@ class GPT(nn.Module):
         for module in self.modules():  # GPT-2's initialisation: N(0, 0.02), biases 0
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)  # an Embedding has none
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
@@ -298,14 +299,23 @@ def build_transformer(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
 
 
 def build_gpt(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """The vocabulary and window length come from the data (text, token files); a vocabulary
+    pinned in model.args may be larger than the data's (nanoGPT pads 50257 to 50304 for
+    speed), never smaller."""
     args: dict[str, Any] = dict(cfg.args)
     for key in ("vocab_size", "seq_len"):
         if key not in args and key not in info:
             raise UserError(
                 f"config error: model.args.{key}: the data does not say it "
-                f"(data.name: text does); set model.args.{key}"
+                f"(data.name: text and tokens do); set model.args.{key}"
             )
         args.setdefault(key, info.get(key))
+    data_vocab = info.get("vocab_size")
+    if data_vocab and args["vocab_size"] < data_vocab:
+        raise UserError(
+            f"config error: model.args.vocab_size: {args['vocab_size']} is smaller than the "
+            f"data's vocabulary ({data_vocab}); leave it unset to take the data's"
+        )
     return GPT(**args)
 
 

@@ -44,7 +44,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
 
     plain = unwrap(model)
     exempt = no_decay_names(plain, cfg.no_decay)
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in plain.named_parameters():
         if param.requires_grad:
             (no_decay if name in exempt else decay).append(param)
@@ -134,7 +135,8 @@ class LRSchedule:
         self.optimizer, self.cfg, self.base_lr = optimizer, cfg, base_lr
         self.total_steps = max(1, total_steps)
         self.monitor_mode = monitor_mode
-        self.plateau_scale, self.plateau_best, self.plateau_bad_evals = 1.0, None, 0
+        self.plateau_scale, self.plateau_bad_evals = 1.0, 0
+        self.plateau_best: float | None = None
         self.apply(0)
 
     def lr_at(self, step: int) -> float:
@@ -160,7 +162,7 @@ class LRSchedule:
             group["lr"] = lr
         return lr
 
-    def on_eval(self, value: float) -> None:
+    def on_eval(self, value: float | None) -> None:
         """Plateau: decay after `patience` evaluations without the monitored metric improving."""
         if self.cfg.name != "plateau" or value is None:
             return
@@ -224,7 +226,7 @@ class UserSchedule:
             self.scheduler.step()
             self.stepped += 1
 
-    def on_eval(self, value: float) -> None:
+    def on_eval(self, value: float | None) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:

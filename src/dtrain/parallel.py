@@ -85,7 +85,7 @@ def _checkpoint_activations(block: nn.Module) -> None:
     def checkpointed(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    block.forward = checkpointed  # type: ignore[method-assign]
+    block.forward = checkpointed
 
 
 class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -111,16 +111,20 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
         n = totals[-1]
         mean = totals[:channels] / n
         var = (totals[channels : 2 * channels] / n - mean * mean).clamp_min(0)
-        if self.track_running_stats and self.running_mean is not None:
+        # BatchNorm registers the three buffers together: all tensors, or all None.
+        running_mean, running_var = self.running_mean, self.running_var
+        batches = self.num_batches_tracked
+        if (
+            self.track_running_stats
+            and running_mean is not None
+            and running_var is not None
+            and batches is not None
+        ):
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = (
-                    self.momentum
-                    if self.momentum is not None
-                    else 1.0 / float(self.num_batches_tracked)
-                )
-                self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * n / (n - 1).clamp_min(1), momentum)
+                batches.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(batches)
+                running_mean.lerp_(mean.detach(), momentum)
+                running_var.lerp_(var.detach() * n / (n - 1).clamp_min(1), momentum)
         shape = [1, channels] + [1] * (x.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
@@ -251,6 +255,8 @@ def wrap(model: nn.Module, cfg: Config, layout: Layout, on_meta: bool = False) -
             if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
             else "broadcast_buffers"
         )
+        # The keyword's name depends on the torch version, so it goes in as a dict.
+        buffer_option: dict[str, Any] = {sync_buffers: ddp.broadcast_buffers}
         return DDP(
             model,
             device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
@@ -258,7 +264,7 @@ def wrap(model: nn.Module, cfg: Config, layout: Layout, on_meta: bool = False) -
             find_unused_parameters=ddp.find_unused_parameters,
             static_graph=ddp.static_graph,
             gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-            **{sync_buffers: ddp.broadcast_buffers},
+            **buffer_option,
         )
     return _fully_shard(model, blocks, cfg, layout)
 
@@ -267,7 +273,12 @@ def _fully_shard(
     model: nn.Module, blocks: list[nn.Module], cfg: Config, layout: Layout
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     fsdp = cfg.parallel.fsdp
     device_type = layout.device.type
@@ -283,19 +294,19 @@ def _fully_shard(
             "on the CPU the state is already in host memory"
         )
     param_dtype = PRECISION_DTYPES[cfg.train.precision]
-    kwargs = dict(
+    shard = functools.partial(
+        fully_shard,
         mesh=mesh,
         reshard_after_forward=fsdp.reshard_after_forward,
         # fp32 master weights; compute in the run's precision; gradients reduced in fp32.
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if fsdp.cpu_offload else None,
+        # A plain OffloadPolicy is fully_shard's default: no offloading.
+        offload_policy=CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy(),
     )
-    if kwargs["offload_policy"] is None:
-        del kwargs["offload_policy"]
     for block in blocks:
         if block is not model:
-            fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+            shard(block)
+    shard(model)
     return model
 
 

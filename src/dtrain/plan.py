@@ -133,6 +133,22 @@ def _dataset_shapes(cfg: Config) -> data.Datasets:
             val=_SizeOnly(val),
             info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len},
         )
+    if dcfg.name == "hf":  # rows counted, columns checked, a sample of headers read
+        from dtrain.data import hf
+
+        found = hf.survey(dcfg, cfg.run.seed)
+        return data.Datasets(
+            train=_SizeOnly(found.rows[0]),
+            val=_SizeOnly(found.rows[1]),
+            info=found.info,
+            notes=found.notes,
+        )
+    if dcfg.name == "tokens":  # windows counted from meta.json and the files' sizes
+        from dtrain.data import tokens
+
+        seq_len = data.seq_len_of(dcfg, cfg.model.args)
+        train, val, info = tokens.window_counts(dcfg, seq_len)
+        return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val), info=info)
     if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
         (train_list, _, _), (val_list, _, _) = (
             images.list_split(dcfg.root, s) for s in ("train", "val")

@@ -132,8 +132,9 @@ class RunRecord:
             os.path.join(run_dir, CHECKPOINTS, LATEST)
         )
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        name = self._name()
         row = {
-            "name": cfg.run.name,
+            "name": name,
             "status": "running",
             "started": now,
             "wall_time_s": "0",
@@ -159,7 +160,7 @@ class RunRecord:
         }
         try:
             with _table(self.path) as rows:
-                earlier = rows.get(cfg.run.name)
+                earlier = rows.get(name)
                 if resuming and earlier is not None:
                     self.earlier_wall_s = _float(earlier.get("wall_time_s"))
                     row.update(
@@ -169,7 +170,7 @@ class RunRecord:
                         best_metric=earlier.get("best_metric", ""),
                         best_checkpoint=earlier.get("best_checkpoint", ""),
                     )
-                rows[cfg.run.name] = row
+                rows[name] = row
         except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
             log.warning(f"run records: cannot write {self.path} ({e}); this run is not recorded")
             return
@@ -199,11 +200,16 @@ class RunRecord:
         self.ended = True
         self._write({"status": "failed", "error": f"{type(error).__name__}: {message}"[:200]})
 
+    def _name(self) -> str:
+        # The run is named before its record starts; the fallback is Config.run_dir's.
+        return self.cfg.run.name or "default"
+
     def _write(self, fields: dict[str, str]) -> None:
         wall = self.earlier_wall_s + time.monotonic() - self.attempt_start
         try:
             with _table(self.path) as rows:
-                row = rows.setdefault(self.cfg.run.name, {"name": self.cfg.run.name})
+                name = self._name()
+                row = rows.setdefault(name, {"name": name})
                 row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
         except (OSError, csv.Error) as e:  # a full disk must not end the run (or hide its error)
             log.warning(f"run records: cannot update {self.path} ({e})")

@@ -105,6 +105,8 @@ DATASETS = Table(
             },
         ),
         "text": Entry("dtrain.data.text:build", "UTF-8 text as byte windows"),
+        "tokens": Entry("dtrain.data.tokens:build", "token files (.bin, meta.json) as windows"),
+        "hf": Entry("dtrain.data.hf:build", "Hugging Face datasets on disk (saved, parquet)"),
     },
     user=Entry("dtrain.data.user:build", "returns (train_dataset, val_dataset)"),
 )

@@ -114,10 +114,14 @@ class Classification:
 
 class LanguageModel:
     """Batches of token windows (batch, seq_len + 1): predict each next token. Reports val_loss
-    (nats per token), val_perplexity and val_bits_per_byte (the tokens are bytes)."""
+    (nats per token), val_perplexity and val_bits_per_byte: the loss in bits over the bytes of
+    text a token stands for (`bytes_per_token`: 1 for bytes, the validation split's ratio from
+    a token folder's meta.json), so that models with different tokenizers compare on one scale.
+    Without a ratio (token files without meta.json) bits per byte is not reported."""
 
-    def __init__(self, seq_len: int | None = None) -> None:
+    def __init__(self, seq_len: int | None = None, bytes_per_token: float | None = 1.0) -> None:
         self.tokens_per_sample = seq_len
+        self.bytes_per_token = bytes_per_token
 
     @staticmethod
     def _split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +141,10 @@ class LanguageModel:
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         loss = means["loss"]
-        return {"perplexity": math.exp(min(loss, 700.0)), "bits_per_byte": loss / math.log(2)}
+        figures = {"perplexity": math.exp(min(loss, 700.0))}
+        if self.bytes_per_token:
+            figures["bits_per_byte"] = loss / math.log(2) / self.bytes_per_token
+        return figures
 
     def example_input(self, info: dict[str, Any], batch_size: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(0)
@@ -173,7 +180,8 @@ def classification(cfg: TaskConfig, info: dict[str, Any]) -> Task:
 
 
 def language_model(cfg: TaskConfig, info: dict[str, Any]) -> Task:
-    return _with_args(LanguageModel, {"seq_len": info.get("seq_len"), **cfg.args})
+    known = {"seq_len": info.get("seq_len"), "bytes_per_token": info.get("bytes_per_token", 1.0)}
+    return _with_args(LanguageModel, {**known, **cfg.args})
 
 
 def model_loss(cfg: TaskConfig, info: dict[str, Any]) -> Task:

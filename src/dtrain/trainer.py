@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,9 +26,12 @@ from dtrain.errors import TrainingStopped
 from dtrain.layout import Layout
 from dtrain.loop_state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import RunLog, Throughput, log, memory_stats
-from dtrain.optim import LRSchedule
+from dtrain.optim import LRSchedule, UserSchedule
 from dtrain.parallel import average_buffers
 from dtrain.tasks import Task, batch_size, improves
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Trainer:
         model: nn.Module,
         task: Task,
         optimizer: torch.optim.Optimizer,
-        schedule: LRSchedule,
+        schedule: LRSchedule | UserSchedule,
         scaler: Any | None,
         datasets: Datasets,
         loaders: Loaders,
@@ -149,8 +152,8 @@ class Trainer:
                 f"stop requested ({self.stop_requested}) at step {state.step}: saving a "
                 f"checkpoint and exiting"
             )
-            for hook in self.callbacks.before_stop_save:
-                hook(self.last_save_s)
+            for before_save in self.callbacks.before_stop_save:
+                before_save(self.last_save_s)
             if self.checkpoints.last_saved_step != state.step:  # (a save's check may have seen it)
                 self._save()
             self.checkpoints.wait()
@@ -260,11 +263,12 @@ class Trainer:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
         if self.accum == 1:
             return contextlib.nullcontext()
-        if self.layout.is_fsdp:
-            self.model.set_requires_gradient_sync(sync)
+        if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
+            cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
-        if not sync and hasattr(self.model, "no_sync"):
-            return self.model.no_sync()
+        no_sync = getattr(self.model, "no_sync", None) if not sync else None
+        if no_sync is not None:
+            return no_sync()
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -281,7 +285,9 @@ class Trainer:
         if max_norm is not None:
             norm = nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         else:
-            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None], foreach=True
+            )
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
             norm = norm.full_tensor()
         return norm
@@ -337,7 +343,9 @@ class Trainer:
 
     def _save_due_by_steps(self) -> bool:
         every = self.cfg.ckpt.every_steps
-        return bool(every) and self.state.step % every == 0
+        if not every:
+            return False
+        return self.state.step % every == 0
 
     def _consistent_buffers(self) -> None:
         """Without sync_batchnorm every rank's BatchNorm statistics follow its own batches: use

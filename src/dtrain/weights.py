@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from dtrain.checkpoint.state import (
 from dtrain.checkpoint.store import read_marker
 from dtrain.config import ModelConfig
 from dtrain.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 
 def pretrained_path(model_name: str) -> str:
@@ -65,6 +69,14 @@ def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
     return data
 
 
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict (DTensors under FSDP): a model's state holds only tensors, which
+    get_model_state_dict's return type, shared with optimizer state, does not say."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model))
+
+
 class StartingWeights:
     """The weights model.init_from or model.pretrained names, checked against the model before
     anything of the run is written (on construction), loaded once the run knows it starts fresh
@@ -73,11 +85,9 @@ class StartingWeights:
     model.init_exclude must be in the file, with its shape."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         self.cfg = cfg
         self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
-        ours = get_model_state_dict(model)
+        ours = _model_tensors(model)
         self.excluded = {k for k in ours if self._excluded(k)}
         shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
         folder = self.path if os.path.isdir(self.path) else None
@@ -116,18 +126,14 @@ class StartingWeights:
     def load(self, model: nn.Module) -> str:
         """Into `model`: rank 0 broadcasts each tensor (every rank keeps its shard), or, from a
         sharded checkpoint, each rank reads its own. Returns a line for the log."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         try:
             if self.sharded_folder is not None:
-                staged = {
+                staged: dict[str, dict[str, ValueType]] = {
                     "model": {
                         k: torch.empty_like(v)
-                        for k, v in get_model_state_dict(model).items()
+                        for k, v in _model_tensors(model).items()
                         if k not in self.excluded
                     }
                 }
@@ -137,7 +143,9 @@ class StartingWeights:
                 options = StateDictOptions(
                     full_state_dict=True, strict=False, broadcast_from_rank0=dist.is_distributed()
                 )
-                set_model_state_dict(model, self.weights or {}, options=options)
+                # Tensors are state values; the cast only widens the dict's declared value type.
+                weights = cast("dict[str, ValueType]", self.weights or {})
+                set_model_state_dict(model, weights, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             raise UserError(
                 f"config error: model.init_from: {self.path}: {first_line(e)}"

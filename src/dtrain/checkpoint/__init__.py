@@ -21,7 +21,7 @@ import shutil
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ from dtrain.layout import Layout
 from dtrain.loop_state import TrainState
 from dtrain.observe import log
 from dtrain.parallel import unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "CheckpointError",
@@ -125,12 +128,13 @@ class Checkpointer:
         self._resumed: Resumed | None = None
         # Background saves run their collectives on a group of their own, so that they never
         # interleave with the training collectives on the default group.
-        self._save_group = None
+        self._save_group: ProcessGroup | None = None
         self._save_device = self.device
         if cfg.ckpt.async_ and dist.is_distributed():
             import torch.distributed as torch_dist
 
-            self._save_group = torch_dist.new_group(backend="gloo")
+            # A group of all ranks: no rank gets new_group's non-member placeholder.
+            self._save_group = cast("ProcessGroup", torch_dist.new_group(backend="gloo"))
             self._save_device = torch.device("cpu")
         # The model's keys and full shapes, to refuse a checkpoint of another model up front.
         # (The module's own state_dict has the names and global shapes the distributed

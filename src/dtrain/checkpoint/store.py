@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain import dist
-from dtrain.errors import UserError, first_line
+from dtrain.errors import CheckpointError, UserError, first_line
 from dtrain.observe import log
 
 MARKER = "COMPLETE"
@@ -144,14 +144,14 @@ class RunDirLock:
                 f"({holder}); wait for it to end, or give this run another run.name"
             ) from None
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        holder = {
+        this_run = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "job": job_id,
             "started": started,
         }
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        os.pwrite(fd, json.dumps(this_run).encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
@@ -311,8 +311,8 @@ class Store:
         """Keep the `keep_last` last saved and the `keep_best` best complete checkpoints."""
         entries = self.complete()
         keep = {e.name for e in entries[:keep_last]}
-        scored = [(e.metric(monitor), e.name) for e in entries]
-        scored = [(v, n) for v, n in scored if v is not None and math.isfinite(v)]
+        metrics = [(e.metric(monitor), e.name) for e in entries]
+        scored = [(v, n) for v, n in metrics if v is not None and math.isfinite(v)]
         scored.sort(key=lambda item: item[0], reverse=mode == "max")
         keep.update(n for _, n in scored[:keep_best])
         for entry in entries:
@@ -320,8 +320,8 @@ class Store:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def best(self, monitor: str, mode: str) -> Entry | None:
-        scored = [(e.metric(monitor), e) for e in self.complete()]
-        scored = [(v, e) for v, e in scored if v is not None and math.isfinite(v)]
+        metrics = [(e.metric(monitor), e) for e in self.complete()]
+        scored = [(v, e) for v, e in metrics if v is not None and math.isfinite(v)]
         if not scored:
             return None
         pick = max if mode == "max" else min
@@ -357,12 +357,6 @@ class Store:
         what = ", ".join([e.name for e in moving] + list(extra))
         log.warning(f"{reason}: moved {what} aside to {target}")
         return target
-
-
-class CheckpointError(Exception):
-    """A save failed (disk full, no permission): exit 1, with the previous checkpoint kept."""
-
-    exit_code = 1
 
 
 def error_of_save(error: BaseException, name: str, folder: str, needed: int) -> CheckpointError:

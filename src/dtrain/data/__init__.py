@@ -2,9 +2,9 @@
 
 `build` gives the train and validation datasets that `data.name` names and what a model builder
 needs to know about them (`info`: number of classes, channels and image size for images; vocabulary
-and window length for text; what a user's dataset declares). Modules: `sampler` (the order of
-samples), `images`, `text` and `user` (the datasets' builders), `loaders` (the `Datasets` and
-`Loaders` types, collate, device).
+and window length for text and token files; what a user's dataset declares). Modules: `sampler`
+(the order of samples), `images` (+ `decode`), `text`, `tokens`, `hf` and `user` (the datasets'
+builders), `loaders` (the `Datasets` and `Loaders` types, collate, device).
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ __all__ = [
 
 def build(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
     """The train and validation datasets named by `data.name` (see registry.DATASETS). The
-    builder gets the data config with what it leaves to the model settled: the text window's
-    length (`seq_len_of`)."""
-    text = dataclasses.replace(cfg.text, seq_len=seq_len_of(cfg, model_args))
-    return registry.DATASETS.builder(cfg.name)(dataclasses.replace(cfg, text=text), seed)
+    builder gets the data config with what it leaves to the model settled: the length of a text
+    or token window (`seq_len_of`)."""
+    seq_len = seq_len_of(cfg, model_args)
+    settled = dataclasses.replace(
+        cfg,
+        text=dataclasses.replace(cfg.text, seq_len=seq_len),
+        tokens=dataclasses.replace(cfg.tokens, seq_len=seq_len),
+    )
+    return registry.DATASETS.builder(cfg.name)(settled, seed)

@@ -1,6 +1,7 @@
 """Image datasets: the built-in synthetic set, CIFAR-10, MNIST and Fashion-MNIST (held in memory as
 uint8), and image folders (listed once, decoded sample by sample in the loader workers; reading a
-file and what an unreadable one becomes are `decode`'s).
+file and what an unreadable one becomes are `decode`'s). Hugging Face image datasets (`hf`) use
+the same sizes, transforms and normalisation.
 
 Every image reaches the device as uint8 and is normalised there (`Normalize`): a quarter of the
 bytes of float32 cross from host to device. What happens to a sample before (`Transform`) is a
@@ -25,7 +26,7 @@ from torch.utils.data import Dataset
 
 from dtrain import dist, synthetic
 from dtrain.config import DataConfig
-from dtrain.data.decode import BadSample, ReplacedCount, bad_sample, decode
+from dtrain.data.decode import BadSample, SkipsBadSamples, bad_sample, decode
 from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index, sample_random
 from dtrain.errors import UserError
@@ -42,21 +43,30 @@ IMAGENET_NORM = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 class Normalize:
     """(uint8 images, labels) -> (normalised float32 images, labels), applied on the device:
-    (x - 255 mean) / (255 std), as two roundings (subtract, then multiply by the inverse)."""
+    (x - 255 mean) / (255 std), as two roundings (subtract, then multiply by the inverse). With
+    `keys`, the batch is a dict and the images are its entries of those keys."""
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(
+        self, mean: Sequence[float], std: Sequence[float], keys: Sequence[str] = ()
+    ) -> None:
         channels = len(mean)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(channels, 1, 1) * 255
         self.inv_std = 1.0 / (torch.tensor(std, dtype=torch.float32).view(channels, 1, 1) * 255)
+        self.keys = tuple(keys)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, batch: Any) -> Any:
+        if self.keys:
+            return {**batch, **{key: self._normalize(batch[key]) for key in self.keys}}
         images, labels = batch
+        return self._normalize(images), labels
+
+    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         device = images.device
         if device not in self._on:
             self._on[device] = (self.mean.to(device), self.inv_std.to(device))
         mean, inv_std = self._on[device]
-        return images.float().sub_(mean).mul_(inv_std), labels
+        return images.float().sub_(mean).mul_(inv_std)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,20 +200,19 @@ class Listing:
         return os.path.join(self.root, self.files[index])
 
     def unreadable(self, index: int, error: BaseException) -> BadSample:
-        return bad_sample(self.path(index), self.classes[self.labels[index]], error)
+        return bad_sample(f"{self.path(index)} (class '{self.classes[self.labels[index]]}')", error)
 
 
-class ImageFolderSet(Dataset):
+class ImageFolderSet(SkipsBadSamples, Dataset):
     """An image folder's split, decoded sample by sample (in the loader workers): memory does not
     grow with the number of images. An unreadable image names its file and class; with
     data.on_bad_sample=skip the next readable image takes its place (deterministically) and the
     replacement is counted."""
 
     def __init__(self, listing: Listing, transform: Transform, skip_bad: bool) -> None:
-        self.listing, self.transform, self.skip_bad = listing, transform, skip_bad
+        super().__init__(skip_bad, listing.root)
+        self.listing, self.transform = listing, transform
         self.labels = torch.tensor(listing.labels, dtype=torch.long)
-        self.replaced = ReplacedCount()
-        self._warned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.listing.files)
@@ -214,37 +223,14 @@ class ImageFolderSet(Dataset):
         except Exception as e:  # noqa: BLE001 - any failure to decode is a bad sample
             raise self.listing.unreadable(index, e) from None
 
-    def _load(self, index: int) -> tuple[torch.Tensor, int]:
-        """The image of `index`, or with skip_bad the next readable one (index+1, +2, ...)."""
-        for offset in range(len(self)):
-            candidate = (index + offset) % len(self)
-            try:
-                image = self._read(candidate)
-            except BadSample as bad:
-                if not self.skip_bad:
-                    raise
-                if candidate not in self._warned:
-                    self._warned.add(candidate)
-                    from dtrain.observe import log
-
-                    log.warning(f"{bad} -- skipped (data.on_bad_sample=skip)")
-                continue
-            if offset:
-                self.replaced.add()
-            return image, candidate
-        raise UserError(f"data error: no readable image in {self.listing.root}")
-
     def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, index = epoch_and_index(key)
-        image, used = self._load(index)
+        image, used = self.load(index, self._read)
         return self.transform(image, epoch, index), self.labels[used]
 
     def __getitems__(self, keys: list[SampleKey]) -> Stacked:
         samples = [self[key] for key in keys]
         return Stacked((torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])))
-
-    def replaced_count(self) -> int:
-        return self.replaced.total()
 
 
 def list_split(root: str, split: str) -> tuple[Listing, list[str], list[str]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from dtrain import compat, rng
 from dtrain.config import DataConfig
@@ -17,12 +17,20 @@ from dtrain.data.sampler import EvalSampler, Prefix, ResumableSampler
 from dtrain.errors import UserError
 
 
+class SizedDataset(Protocol):
+    """A map-style dataset that knows its length (the samplers and the step count need it)."""
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass
 class Datasets:
     """What a dataset builder (registry.DATASETS) returns."""
 
-    train: Dataset
-    val: Dataset
+    train: SizedDataset
+    val: SizedDataset
     info: dict[str, Any]  # what model builders and tasks may need: num_classes, vocab_size, ...
     notes: list[str] = field(default_factory=list)  # lines for the start-up banner
     # What a batch goes through once on the device (images: uint8 -> normalised float32).
@@ -119,6 +127,16 @@ def close_loaders(loaders: Loaders | None) -> None:
         compat.shutdown_workers(loaders.val)
 
 
+class _LoaderOptions(TypedDict):
+    """What the train and validation loaders share."""
+
+    num_workers: int
+    pin_memory: bool
+    collate_fn: Callable[[Any], Any]
+    persistent_workers: bool
+    worker_init_fn: Callable[[int], None] | None
+
+
 def loaders(
     train_set: Any,
     val_set: Any,
@@ -149,7 +167,7 @@ def loaders(
         raise UserError("data error: the validation set is empty")
     train_sampler = ResumableSampler(len(train_set), rank, world_size, seed, shuffle, cfg.drop_last)
     val_sampler = EvalSampler(len(val_set), rank, world_size)
-    common = dict(
+    common = _LoaderOptions(
         num_workers=workers,
         pin_memory=device.type == "cuda",
         collate_fn=collate,

@@ -9,14 +9,19 @@ part-way through an epoch, that makes a mid-epoch resume bit-exact.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 SampleKey = int | tuple[int, int]  # an index, or (epoch, index) for a training sample
 _MASK64 = (1 << 64) - 1
+# From this many samples on, a training order is a SeededBijection rather than DistributedSampler's
+# permutation: below it, the permutation tensor of an epoch stays under 32 MiB per rank.
+LAZY_ORDER_FROM = 1 << 22
+_CHUNK = 4096  # positions worked out at once while serving
 
 
 def index_of(key: SampleKey) -> int:
@@ -37,13 +42,56 @@ def sample_random(seed: int, epoch: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
+class SeededBijection:
+    """A permutation of [0, n) drawn by (seed, epoch), computed position by position in O(1) memory.
+
+    A balanced Feistel network (six rounds of splitmix64) permutes the smallest square power of
+    two >= n, 4**h; a value that lands outside [0, n) is sent through the network again until it
+    lands inside (cycle walking), which restricts the permutation of [0, 4**h) to one of [0, n).
+    As 4**h < 4n, a position takes fewer than four passes on average.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        self.n = n
+        self.half = (max(n - 1, 1).bit_length() + 1) // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = [np.uint64(sample_random(seed, epoch, r)) for r in range(self.ROUNDS)]
+
+    def _network(self, x: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half)
+        left, right = x >> shift, x & self.mask
+        for key in self.keys:
+            z = right ^ key
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            left, right = right, left ^ ((z ^ (z >> np.uint64(31))) & self.mask)
+        return (left << shift) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The indices at `positions` (each in [0, n)), as int64."""
+        out = self._network(positions.astype(np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._network(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
+
+
 class ResumableSampler(Sampler[tuple[int, int]]):
     """DistributedSampler's order, keyed by (epoch, index), able to start part-way through an epoch.
 
-    The epoch's order is a permutation seeded by seed + epoch (as DistributedSampler's), and rank r
-    takes every world-th sample from position r. After k steps the ranks together have consumed
-    exactly the first `consumed` positions, whatever the world size, so a resume maps the
-    position by global samples consumed and never skips or repeats a sample.
+    The epoch's order is a permutation seeded by seed + epoch, and rank r takes every world-th
+    sample from position r. After k steps the ranks together have consumed exactly the first
+    `consumed` positions, whatever the world size, so a resume maps the position by global
+    samples consumed and never skips or repeats a sample.
+
+    The permutation: below LAZY_ORDER_FROM samples, DistributedSampler's own (torch.randperm of
+    seed + epoch, held as one tensor for the epoch: 8 bytes a sample); from there on, a
+    SeededBijection of (seed, epoch), computed per position: a corpus of tens of millions of
+    windows costs no memory for its order. Either way the sampler serves lazily, a chunk of
+    positions at a time.
     """
 
     def __init__(
@@ -62,34 +110,52 @@ class ResumableSampler(Sampler[tuple[int, int]]):
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
         self.epoch, self.consumed = epoch, consumed
 
-    def _order(self) -> list[int]:
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=gen).tolist()
-        else:
-            order = list(range(self.size))
-        if self.drop_last:
-            order = order[: self.size - self.size % self.world_size]
-        else:
-            order += order[: (-self.size) % self.world_size]
-        rest = order[self.consumed :]
-        uneven = len(rest) % self.world_size  # only after a world-size change
-        if uneven:
-            rest = rest[:-uneven] if self.drop_last else rest + rest[: self.world_size - uneven]
-        return rest
+    def permutation(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The epoch's order as a function: positions in [0, size) -> indices."""
+        if not self.shuffle:
+            return lambda positions: positions
+        if self.size >= LAZY_ORDER_FROM:
+            return SeededBijection(self.size, self.seed, self.epoch)
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=gen).numpy()
+        return lambda positions: order[positions]
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter([(self.epoch, i) for i in self._order()[self.rank :: self.world_size]])
-
-    def __len__(self) -> int:
-        """Batches of this rank: _order()'s length by arithmetic (no permutation to draw)."""
+    def _rest(self) -> int:
+        """Positions of the epoch's order left after `consumed`: the order divides over the
+        ranks by DistributedSampler's rule (the tail dropped, or padded from the start)."""
         size, world = self.size, self.world_size
         total = size - size % world if self.drop_last else size + min(-size % world, size)
-        rest = max(total - self.consumed, 0)
+        return max(total - self.consumed, 0)
+
+    def __len__(self) -> int:
+        """Batches of this rank, by arithmetic (no permutation to draw). A rest that does not
+        divide over the ranks (only after a world-size change) is dropped or padded from its
+        own start."""
+        world, rest = self.world_size, self._rest()
         uneven = rest % world
         if uneven:
             rest = rest - uneven if self.drop_last else rest + min(world - uneven, rest)
         return rest // world
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        # The epoch and position are read now: a later set_epoch does not change this pass.
+        return self._serve(self.epoch, self.consumed, self._rest(), len(self), self.permutation())
+
+    def _serve(
+        self,
+        epoch: int,
+        consumed: int,
+        rest: int,
+        count: int,
+        permutation: Callable[[np.ndarray], np.ndarray],
+    ) -> Iterator[tuple[int, int]]:
+        for first in range(0, count, _CHUNK):
+            served = self.rank + np.arange(first, min(first + _CHUNK, count)) * self.world_size
+            served = np.where(served < rest, served, served - rest)  # padding: the rest again
+            position = consumed + served
+            position = np.where(position < self.size, position, position - self.size)
+            for index in permutation(position).tolist():
+                yield (epoch, index)
 
 
 class EvalSampler(Sampler[int]):
@@ -103,9 +169,7 @@ class EvalSampler(Sampler[int]):
         self.valid_count = len(range(rank, size, world_size))
 
     def __iter__(self) -> Iterator[int]:
-        return iter(
-            [min(self.rank + j * self.world_size, self.size - 1) for j in range(self.per_rank)]
-        )
+        return (min(self.rank + j * self.world_size, self.size - 1) for j in range(self.per_rank))
 
     def __len__(self) -> int:
         return self.per_rank

@@ -9,27 +9,33 @@ predicted once.
 Where the validation text comes from: `<root>/train.txt` + `<root>/val.txt`, or `<root>/train/`
 + `<root>/val/` folders of `.txt` files; otherwise the last `data.text.val_fraction` of the text
 (a file, or a folder's `.txt` files in name order) is held out.
+
+Files are memory-mapped (a folder's files read as one sequence, a newline between two files), as
+token files are (data/tokens.py): no rank copies the corpus into its memory.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
-from dtrain.data.loaders import Datasets, Stacked
-from dtrain.data.sampler import SampleKey, index_of
+from dtrain.data.loaders import Datasets
+from dtrain.data.tokens import Span, Windows, count_windows, sampled
 from dtrain.errors import UserError
 
 VOCAB_SIZE = 256
 DEFAULT_SEQ_LEN = 256
+NEWLINE = 10  # between two files of a folder
 
 
 def seq_len_of(cfg: DataConfig, model_args: dict | None = None) -> int:
-    """The window's length: data.text.seq_len, else the model's seq_len, else 256."""
-    return cfg.text.seq_len or int((model_args or {}).get("seq_len") or DEFAULT_SEQ_LEN)
+    """The window's length: data.tokens.seq_len for token files, data.text.seq_len for text,
+    else the model's seq_len, else 256."""
+    own = cfg.tokens.seq_len if cfg.name == "tokens" else cfg.text.seq_len
+    return own or int((model_args or {}).get("seq_len") or DEFAULT_SEQ_LEN)
 
 
 def python_docs() -> bytes:
@@ -38,27 +44,6 @@ def python_docs() -> bytes:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics)).encode("utf-8")
-
-
-class ByteWindows(Dataset):
-    """Windows of `seq_len + 1` bytes every `stride` bytes, as uint8 (batch, seq_len + 1)."""
-
-    def __init__(self, data: torch.Tensor, seq_len: int, stride: int) -> None:
-        self.data, self.seq_len, self.stride = data, seq_len, stride
-        self.count = _windows(len(data), seq_len, stride)
-        # every window as a view: one indexing operation copies out a batch
-        self.windows = (
-            data.unfold(0, seq_len + 1, stride) if self.count else data.view(0, seq_len + 1)
-        )
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, key: SampleKey) -> torch.Tensor:
-        return self.windows[index_of(key)].clone()
-
-    def __getitems__(self, keys: list[SampleKey]) -> Stacked:
-        return Stacked(self.windows[torch.tensor([index_of(k) for k in keys], dtype=torch.long)])
 
 
 def _text_files(path: str) -> list[str]:
@@ -72,21 +57,13 @@ def _text_files(path: str) -> list[str]:
     )
 
 
-def _read_text(path: str) -> bytes:
+def _text(path: str) -> Span:
+    """The text at `path` as one memory-mapped byte sequence: a file, or a folder's .txt files
+    in name order with a newline between consecutive files."""
     files = _text_files(path)
     if not files:
         raise UserError(f"data error: no .txt files in '{path}'; put UTF-8 text files there")
-    parts = []
-    for name in files:
-        with open(name, "rb") as f:
-            parts.append(f.read())
-    return b"\n".join(parts)
-
-
-def _text_size(path: str) -> int:
-    """The length of what _read_text returns, from the files' sizes alone."""
-    files = _text_files(path)
-    return sum(os.path.getsize(f) for f in files) + max(0, len(files) - 1)
+    return Span(files, np.uint8, separator=NEWLINE)
 
 
 def _sources(root: str) -> tuple[str, str | None]:
@@ -104,55 +81,29 @@ def _sources(root: str) -> tuple[str, str | None]:
     return root, None
 
 
-def _splits(cfg: DataConfig) -> tuple[bytes, bytes, str]:
+def _splits(cfg: DataConfig) -> tuple[Span, Span, str]:
     text = cfg.text
     if text.corpus == "python_docs":
-        data = python_docs()
-        cut = len(data) - int(len(data) * text.val_fraction)
-        return (
-            data[:cut],
-            data[cut:],
-            f"the built-in corpus (Python documentation, {len(data)} bytes)",
-        )
+        corpus = np.frombuffer(python_docs(), dtype=np.uint8)
+        train, val = _held_out(Span([corpus], np.uint8), text.val_fraction)
+        return train, val, f"the built-in corpus (Python documentation, {corpus.size} bytes)"
     train_path, val_path = _sources(cfg.root)
     if val_path is not None:
-        return _read_text(train_path), _read_text(val_path), f"{train_path} and {val_path}"
-    data = _read_text(train_path)
-    cut = len(data) - int(len(data) * text.val_fraction)
-    return (
-        data[:cut],
-        data[cut:],
-        f"{train_path} (the last {text.val_fraction:.0%} held out for validation)",
-    )
+        return _text(train_path), _text(val_path), f"{train_path} and {val_path}"
+    train, val = _held_out(_text(train_path), text.val_fraction)
+    return train, val, f"{train_path} (the last {text.val_fraction:.0%} held out for validation)"
 
 
-def _windows(size: int, seq_len: int, stride: int) -> int:
-    return max(0, (size - (seq_len + 1)) // stride + 1)
+def _held_out(whole: Span, fraction: float) -> tuple[Span, Span]:
+    return whole.cut(len(whole) - int(len(whole) * fraction))
 
 
 def window_counts(cfg: DataConfig, seq_len: int) -> tuple[int, int]:
     """How many training and validation windows `build` makes, from the sizes of the files
     alone (for `dtrain plan`, which reads no data)."""
-    stride = cfg.text.stride or seq_len
-    if cfg.text.corpus == "python_docs":
-        total = len(python_docs())
-    else:
-        train_path, val_path = _sources(cfg.root)
-        if val_path is not None:
-            return (
-                _windows(_text_size(train_path), seq_len, stride),
-                _windows(_text_size(val_path), seq_len, seq_len),
-            )
-        total = _text_size(train_path)
-    val = int(total * cfg.text.val_fraction)
-    return _windows(total - val, seq_len, stride), _windows(val, seq_len, seq_len)
-
-
-def _tensor(data: bytes) -> torch.Tensor:
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.zeros(0, dtype=torch.uint8)
+    train, val, _ = _splits(cfg)
+    return count_windows(len(train), seq_len, cfg.text.stride or seq_len), count_windows(
+        len(val), seq_len, seq_len
     )
 
 
@@ -167,24 +118,23 @@ def build(cfg: DataConfig, seed: int) -> Datasets:
     """Train and validation windows of `seq_len_of(cfg)` (+ 1) bytes, what the model needs to
     know, and a line for the banner. The windows' order is the sampler's: `seed` is not used."""
     seq_len = seq_len_of(cfg)
-    train_bytes, val_bytes, source = _splits(cfg)
+    train_text, val_text, source = _splits(cfg)
     stride = cfg.text.stride or seq_len
-    train = ByteWindows(_tensor(train_bytes), seq_len, stride)
-    val_data = _tensor(val_bytes)
-    val = ByteWindows(val_data, seq_len, seq_len)
-    for name, windows, size in (
-        ("training", train, len(train_bytes)),
-        ("validation", val, len(val_bytes)),
-    ):
+    train = Windows(train_text, seq_len, stride)
+    val = Windows(val_text, seq_len, seq_len)
+    where = "data.text.corpus=python_docs" if cfg.text.corpus else cfg.root
+    for name, windows in (("training", train), ("validation", val)):
         if len(windows) == 0:
             raise UserError(
-                f"data error: the {name} text has {size} bytes, fewer than one window "
-                f"of seq_len + 1 = {seq_len + 1}; add text or lower data.text.seq_len"
+                f"data error: {where}: the {name} text has {len(windows.span)} bytes, fewer "
+                f"than one window of seq_len + 1 = {seq_len + 1}; add text or lower "
+                f"data.text.seq_len"
             )
-    info = {"vocab_size": VOCAB_SIZE, "seq_len": seq_len}
+    info = {"vocab_size": VOCAB_SIZE, "seq_len": seq_len, "bytes_per_token": 1.0}
+    sample = np.concatenate([chunk for _, chunk in sampled(val_text)])
     banner = (
         f"text from {source}: {len(train)} training windows of {seq_len + 1} bytes (stride "
         f"{stride}), {len(val)} validation windows; byte-unigram entropy of the validation "
-        f"text {unigram_entropy(val_data):.3f} bits"
+        f"text {unigram_entropy(torch.from_numpy(sample)):.3f} bits"
     )
     return Datasets(train, val, info, [banner])

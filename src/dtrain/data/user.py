@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
-from dtrain.data.loaders import Datasets
+from dtrain.data.loaders import Datasets, SizedDataset
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.errors import UserError
 from dtrain.imports import load_callable
@@ -21,23 +21,23 @@ from dtrain.imports import load_callable
 class IndexOnly(Dataset):
     """A user's dataset behind keyed sampling: passes the index on and ignores the epoch."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: SizedDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)
 
     def __getitem__(self, key: SampleKey) -> Any:
         return self.dataset[index_of(key)]
 
 
-def declared_info(train: Dataset) -> dict[str, Any]:
+def declared_info(train: SizedDataset) -> dict[str, Any]:
     info: dict[str, Any] = dict(getattr(train, "info", None) or {})
     classes = getattr(train, "num_classes", None) or len(getattr(train, "classes", ()) or ())
     if classes:
         info.setdefault("num_classes", classes)
     shape = getattr(train, "sample_shape", None)
-    if shape is None and len(train):  # type: ignore[arg-type]
+    if shape is None and len(train):
         first = train[0]
         if (
             isinstance(first, (tuple, list))

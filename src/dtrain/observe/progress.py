@@ -30,7 +30,8 @@ class Progress:
         self.last_draw = 0.0
         self.text = ""  # the bar as it is on screen; "" when none is
         self.epoch, self.epoch_steps = 0, 0
-        self.epoch_started, self.first_done = 0.0, None
+        self.epoch_started = 0.0
+        self.first_done: int | None = None  # the step before this attempt's first, once known
         self.latest: tuple[int, dict[str, Any]] | None = None  # the last update, drawn or not
         self.figures: dict[str, Any] = {}  # the last record's figures, kept across epochs
         self.shown_done = 0
@@ -83,6 +84,7 @@ class Progress:
         self.last_draw, self.shown_done = now, done
         total = max(1, self.epoch_steps)
         elapsed = now - self.epoch_started
+        assert self.first_done is not None  # update and tick set it before any render
         rate = (done - self.first_done) / max(1e-9, elapsed)
         left = (total - done) / rate if rate > 0 else 0.0
         head = f"epoch {self.epoch} {100 * done // total:3d}%|"

@@ -91,7 +91,8 @@ def drop_records_after(path: str, step: int, superseded: str | None = None) -> N
         return
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept, dropped = [], []
+    kept: list[str] = []
+    dropped: list[str] = []
     for line in lines:
         try:
             (kept if json.loads(line)["step"] <= step else dropped).append(line)
@@ -161,8 +162,10 @@ class TensorBoardSink:
         from torch.utils.tensorboard.summary import hparams
 
         metrics = {f"hparam/{key}": value for key, value in final.items()}
+        file_writer = self.writer.file_writer
+        assert file_writer is not None  # SummaryWriter opens it when it is made
         for summary in hparams(dict(config), metrics):
-            self.writer.file_writer.add_summary(summary, step)
+            file_writer.add_summary(summary, step)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
