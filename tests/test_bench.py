@@ -21,6 +21,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
            "pipeline, images, peers, exit_codes" in proc.stderr
     import language_model  # run on its own (`make bench` leaves it out: ten minutes)
     assert callable(language_model.run)
+    import bpe_vs_bytes  # run on its own too: ten minutes a side
+    assert callable(bpe_vs_bytes.run)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

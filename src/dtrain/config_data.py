@@ -44,7 +44,8 @@ class TextConfig:
 @dataclass
 class TokensConfig:
     """Token files (`data.name: tokens`): `train.bin` and `val.bin` (or `train_*.bin` and
-    `val_*.bin` shards) under `data.root`, with the `meta.json` that `dtrain tokenize` writes."""
+    `val_*.bin` shards) under `data.root`, with the `meta.json` that `dtrain tokenize` writes;
+    see [Token files](data.md#token-files)."""
 
     seq_len: int | None = _opt(
         None,
@@ -76,7 +77,8 @@ def _column_map(value: dict) -> bool:
 @dataclass
 class HFConfig:
     """Hugging Face `datasets` on disk (`data.name: hf`): a `save_to_disk` folder, or parquet,
-    arrow or JSON-lines files (a file, a folder or a glob) at `data.root`."""
+    arrow or JSON-lines files (a file, a folder or a glob) at `data.root`; see
+    [Hugging Face datasets](data.md#hugging-face-datasets)."""
 
     columns: dict = _opt(
         {"input": "image", "target": "label"},
