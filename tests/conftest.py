@@ -184,6 +184,19 @@ def kill_then_resume(run_dir: Path, overrides: list[str], at_step: int) -> tuple
     return killed_at, launch(run_dir, overrides, nproc=2)
 
 
+def assert_workers_resume_bit_exactly(runs: Path, overrides: list[str]) -> None:
+    """A 2-rank run killed after step 10 with 2 loader workers per rank, then resumed, has the
+    losses of the same run made straight through without workers: bitwise."""
+    straight = launch(runs / "straight", [*overrides, "data.num_workers=0"], nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed_at, resumed = kill_then_resume(runs / "killed", [*overrides, "data.num_workers=2"],
+                                          at_step=10)
+    assert killed_at < 50
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert resumed.losses() == straight.losses()
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs" / "run"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dtrain, kill_then_resume, launch
+from conftest import assert_workers_resume_bit_exactly, dtrain, launch
 
 
 def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext: str = ".jpg",
@@ -284,14 +284,7 @@ def test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact(tmp_path)
     common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=8",
               "model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
               "train.epochs=2", "ckpt.every_steps=5", "ckpt.keep_last=10"]
-    straight = launch(tmp_path / "runs" / "straight", [*common, "data.num_workers=0"], nproc=2)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed_at, resumed = kill_then_resume(tmp_path / "runs" / "killed",
-                                          [*common, "data.num_workers=2"], at_step=10)
-    assert killed_at < 50
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-    assert resumed.losses() == straight.losses()  # bitwise, 0 vs 2 workers
+    assert_workers_resume_bit_exactly(tmp_path / "runs", common)
 
 
 @pytest.mark.slow
