@@ -8,7 +8,7 @@ import math
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, child_env
 
 sys.path.append(str(REPO / "bench"))  # after everything else: its module names are plain
 
@@ -41,3 +41,17 @@ def test_memory_benchmark_plans_its_model() -> None:
     assert ddp_state > 2 * 2**30  # 151 M parameters with AdamW: 2.3 GiB
     assert abs(2 * fsdp_state - ddp_state) < 2**20  # half, to the rows an uneven shard adds
     assert 0 < fsdp_total < ddp_total
+
+
+def test_cuda_check_without_a_device_says_so_and_exits_0() -> None:
+    env = dict(child_env(), CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "cuda_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "cuda_check: no CUDA device visible; nothing checked"
+
+
+def test_cuda_check_reads_the_plans_prediction() -> None:
+    import cuda_check
+    predicted = cuda_check.plan_total("configs/gpt_text.yaml", ["train.precision=bf16"])
+    assert 0.05 < predicted < 1.0  # GiB: the 1.9 M-parameter GPT at batch 32, as `dtrain plan` prints
