@@ -5,7 +5,8 @@ exits 0.
 1. DDP and FSDP with bf16 on NCCL (configs/fsdp_transformer.yaml): steps/s, and the first losses
    against the same config's fp32 losses on the CPU (bf16 tolerance).
 2. The default CNN with channels_last and bf16: images/s against a plain hand-written loop
-   (bench/cuda_plain.py) with the same model, data, batch and loader workers, alternated.
+   (bench/cuda_plain.py) with the same model, data, batch and loader workers, alternated; both
+   a single process without DDP.
 3. The language model: tokens/s and MFU of configs/gpt_text.yaml and of a larger GPT (dim 1024,
    depth 12, seq_len 1024), and the larger one's peak CUDA memory against `dtrain plan`.
 4. Host-device synchronisations inside steady steps (train.sync_debug=true): torch warns at each.
@@ -36,11 +37,14 @@ def env(cpu: bool = False) -> dict:
     return e
 
 
-def train(out: Path, name: str, config: str, *overrides: str, cpu: bool = False) -> list[dict]:
-    """One dtrain launch (torchrun, one rank); its training records. Its log is kept."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(REPO / "launch" / "train.py"), "--config", str(REPO / config), *overrides,
-           f"run.out_dir={out}", f"run.name={name}", "ckpt.resume=none"]
+def train(out: Path, name: str, config: str, *overrides: str, cpu: bool = False,
+          torchrun: bool = True) -> list[dict]:
+    """One dtrain launch (torchrun with one rank, or a single process without a process group);
+    its training records. Its log is kept."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [sys.executable, *(launcher if torchrun else []), str(REPO / "launch" / "train.py"),
+           "--config", str(REPO / config), *overrides, f"run.out_dir={out}", f"run.name={name}",
+           "ckpt.resume=none"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env(cpu), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
@@ -79,7 +83,7 @@ def nccl_modes(out: Path) -> None:
         records = train(out, f"transformer-{mode}", "configs/fsdp_transformer.yaml",
                         f"parallel.mode={mode}", "train.precision=bf16", *common)
         losses = [r["loss"] for r in records[: len(cpu_losses)]]
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, cpu_losses))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, cpu_losses, strict=True))
         print(f"  {mode} bf16 nccl: {steady(records, 'samples_per_s') / 64:.1f} steps/s; "
               f"losses at steps 5..20 {[round(v, 4) for v in losses]} vs cpu fp32 "
               f"{[round(v, 4) for v in cpu_losses]}: largest relative difference {worst:.4f} "
@@ -91,7 +95,8 @@ def images_vs_plain(out: Path) -> None:
     for round_ in range(2):
         records = train(out, f"cnn-{round_}", "configs/default.yaml", "model.channels_last=true",
                         "train.precision=bf16", "train.max_steps=600", "train.log_every=50",
-                        "train.eval_every_epochs=0", "ckpt.every_epochs=0", "data.num_workers=4")
+                        "train.eval_every_epochs=0", "ckpt.every_epochs=0", "data.num_workers=4",
+                        torchrun=False)  # like the plain loop: one process, no DDP
         dtrain_rates.append(steady(records, "samples_per_s"))
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "cuda_plain.py"),
                                "--steps", "600", "--warmup", "50", "--workers", "4"],
