@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,3 +35,10 @@ def slow_cnn(cfg: ModelConfig) -> nn.Module:
 
 def failing_cnn(cfg: ModelConfig) -> nn.Module:
     return _Paced(cfg.num_classes or 10, cfg.args.get("width", 8), 0.0, cfg.args.get("fail_at", 3))
+
+
+def straggler_cnn(cfg: ModelConfig) -> nn.Module:
+    """slow_cnn on one rank (`slow_rank`, 1 unless set), at full speed elsewhere: a straggler."""
+    slow = int(os.environ.get("RANK", "0")) == cfg.args.get("slow_rank", 1)
+    delay_s = cfg.args.get("delay_s", 0.1) if slow else 0.0
+    return _Paced(cfg.num_classes or 10, cfg.args.get("width", 8), delay_s, 0)

@@ -121,8 +121,11 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(finished, tmp_path, da
                               "ckpt.keep_last=5", "ckpt.resume_config_change=allow"])
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "log.txt").read_text()
-    if damage == "no_marker":
-        assert f"removing incomplete checkpoint {newest}" in log
+    if damage == "no_marker":  # moved aside, never deleted: it may be all there is
+        assert "no COMPLETE marker that can be trusted (damaged or missing): moved " \
+               f"{newest.name} aside" in log
+        [aside] = (run_dir / "superseded").iterdir()
+        assert (aside / "checkpoints" / newest.name / "checkpoint.pt").exists()
     else:
         assert newest.name in log and "unusable" in log
     assert "resumed from" in log and "step_000008" in log.split("resumed from")[1].splitlines()[0]

@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, latest
 
-COMMANDS = ["train", "plan", "doctor", "export", "runs", "tokenize"]
+COMMANDS = ["train", "plan", "doctor", "export", "verify", "runs", "tokenize", "sweep"]
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)], ids=["dtrain", *COMMANDS])
@@ -49,6 +49,8 @@ USAGE_ERRORS = [
     (["export", "--run", "r", "--out", "m.pt", "--format", "onnx"],
      "argument --format: invalid choice: 'onnx'"),
     (["runs", "--out-dir"], "argument --out-dir: expected one argument"),
+    (["verify", "--run", "r", "--checkpoint", "c"],
+     "argument --checkpoint: not allowed with argument --run"),
 ]
 
 

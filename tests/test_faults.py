@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -67,6 +69,13 @@ def test_a_stalled_rank_is_a_timeout_naming_it_not_a_hang(tmp_path) -> None:
     assert elapsed < 10 + 30 + 60
     assert ("dtrain: distributed error at step 3 on rank 0: rank(s) 1 did not arrive "
             "(collective timeout dist.timeout_s=10 s)") in result.stderr
+    # Where the stalled rank was: its last step and phase, and its stack in its own log.
+    assert re.search(rf"rank 1 \(host {re.escape(socket.gethostname())}\) did not arrive: last step 2 "
+                     r"completed, now in forward/backward \(for \d+ s\); its Python stack is in the run "
+                     r"directory.s log.rank1.txt", result.stderr), result.stderr[-3000:]
+    stack = (result.run_dir / "log.rank1.txt").read_text()
+    assert "asked for its Python stack by a rank waiting for it: last step 2 completed" in stack
+    assert re.search(r'File ".*user_code.py", line \d+ in forward', stack), stack[-3000:]
 
 
 @pytest.mark.slow

@@ -80,14 +80,18 @@ def test_seeded_bijection_is_a_permutation_that_changes_with_the_epoch(n) -> Non
 
 def reference_order(size: int, rank: int, world: int, drop_last: bool, consumed: int,
                     permutation: list[int]) -> list[int]:
-    """What a rank serves, written as lists: DistributedSampler's tail rule, then the rest after
-    `consumed` (an uneven rest dropped or padded from its start), every world-th from `rank`."""
+    """What a rank serves with batches of one, written as lists: the rest after `consumed` less
+    what does not divide over the ranks (drop_last), or DistributedSampler's padding and the
+    rest padded from its start; every world-th from `rank`."""
     order = list(permutation)
-    order = order[:size - size % world] if drop_last else order + order[:(-size) % world]
+    if drop_last:  # what is left after `consumed`, less what does not divide over the ranks
+        rest = order[consumed:]
+        return rest[:len(rest) - len(rest) % world][rank::world]
+    order = order + order[:(-size) % world]
     rest = order[consumed:]
     uneven = len(rest) % world
     if uneven:
-        rest = rest[:-uneven] if drop_last else rest + rest[:world - uneven]
+        rest = rest + rest[:world - uneven]
     return rest[rank::world][:len(rest) // world]
 
 

@@ -177,3 +177,33 @@ class CountingCNN(SimpleCNN):
 
 def counting_cnn(cfg) -> nn.Module:
     return CountingCNN(num_classes=10, in_channels=3, **dict(cfg.args))
+
+
+class AttemptServedLog(torch.utils.data.Dataset):
+    """Writes every training index it serves, in order, to a file of this process of its own:
+    $SERVED_DIR/<start time ns>.<host>.ws<WORLD_SIZE>.rank<RANK>.txt. An elastic test attributes
+    the files to the run's attempts (which world size, which rank, in which order)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        import socket
+        self.dataset = dataset
+        self.name = (f"{time.time_ns()}.{socket.gethostname()}.ws{os.environ.get('WORLD_SIZE', '1')}"
+                     f".rank{os.environ.get('RANK', '0')}.txt")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with open(os.path.join(os.environ["SERVED_DIR"], self.name), "a") as f:
+            f.write(f"{index}\n")
+        return self.dataset[index]
+
+
+def attempt_served_synthetic(cfg):
+    """The synthetic dataset, each process logging the training samples it serves, in order."""
+    train = Images(*synthetic.generate(cfg.synthetic.train_size, "train"))
+    val = Images(*synthetic.generate(cfg.synthetic.val_size, "val"))
+    served = AttemptServedLog(train)
+    served.num_classes = len(synthetic.CLASSES)
+    served.sample_shape = (3, synthetic.IMAGE_SIZE, synthetic.IMAGE_SIZE)
+    return served, val

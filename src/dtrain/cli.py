@@ -1,8 +1,9 @@
-"""The `dtrain` command: train | plan | doctor | export | runs | tokenize.
+"""The `dtrain` command: train | plan | doctor | export | verify | runs | sweep | tokenize.
 
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
-(one clear line, no traceback) and usage errors, 1 any other failure.
+(one clear line, no traceback) and usage errors, 1 any other failure (for `verify`: a damaged
+checkpoint).
 """
 
 from __future__ import annotations
@@ -22,10 +23,40 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
+    from dtrain.errors import UserError
 
-    cfg = config.load(args.config, args.overrides)
-    run.train(cfg, args.config)
+    config_path, overrides = args.config, args.overrides
+    if args.sweep is not None:  # a sweep's trial: a SLURM array task, or --trial I
+        config_path, overrides = _sweep_trial(args)
+    elif args.trial is not None:
+        raise UserError("usage error: --trial I goes with --sweep PATH")
+    cfg = config.load(config_path, overrides)
+    run.train(cfg, config_path)
     return 0
+
+
+def _sweep_trial(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    from dtrain import slurm, sweep
+    from dtrain.errors import UserError
+
+    if args.config is not None:
+        raise UserError("usage error: --sweep PATH takes the config from the sweep; drop --config")
+    data, trial, overrides = sweep.trial_for_task(args.sweep, args.trial, os.environ)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        job = slurm.job_label(os.environ.get("SLURM_JOB_ID"))
+        where = f" as SLURM job {job}" if job else ""
+        print(
+            f"dtrain: sweep {data['name']} trial {trial['index']} {trial['name']}{where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return data["config"], [*overrides, *args.overrides]
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from dtrain import sweep  # no torch to check and launch, only to find GPUs for --nproc
+
+    return sweep.main(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -50,11 +81,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(args: argparse.Namespace) -> int:
-    from dtrain import records
+def _verify(args: argparse.Namespace) -> int:
+    from dtrain import verify  # no torch: checking a run's checkpoints costs their reading only
 
-    print(records.table(args.out_dir))
-    return 0
+    return verify.main(args)
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from dtrain import records, runs_table
+    from dtrain.errors import UserError
+
+    if args.dir is not None and args.out_dir is not None:
+        raise UserError("runs error: give the folder as DIR or as --out-dir, not both")
+    if args.dir is None and args.format is None:  # the run records, as before DIR existed
+        print(records.table(args.out_dir or "runs"))
+        return 0
+    return runs_table.main(args.dir or args.out_dir or "runs", args.format or "table")
 
 
 def _tokenize(args: argparse.Namespace) -> int:
@@ -119,6 +161,37 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the shards already in --out")
 
 
+def _sweep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (defaults apply without one)")
+    p.add_argument(
+        "words",
+        nargs="*",
+        metavar="key=[v1,v2] | key=uniform(a,b) | key=value",
+        help="a grid of values, a distribution for --random (uniform, loguniform, choice), or "
+        "a fixed override for every trial",
+    )
+    p.add_argument(
+        "--name", help="the sweep folder under run.out_dir (default: <config name>_sweep)"
+    )
+    p.add_argument("--nproc", type=int, metavar="N", help="ranks per trial (default: GPUs or 1)")
+    p.add_argument("--random", type=int, metavar="N", help="N random trials instead of a grid")
+    p.add_argument("--seed", type=int, default=0, help="the seed of --random (default 0)")
+    p.add_argument("--extend", action="store_true", help="add the trials of a changed grid")
+    p.add_argument("--dry-run", action="store_true", help="list the trials; write nothing")
+    p.add_argument("--slurm", action="store_true", help="submit one SLURM job array")
+    p.add_argument(
+        "--max-parallel", type=int, metavar="K", help="--slurm: at most K trials at a time"
+    )
+    p.add_argument(
+        "--script", metavar="PATH", help="--slurm: the batch script (default slurm/train.sbatch)"
+    )
+    p.add_argument(
+        "--sbatch-args",
+        metavar='"..."',
+        help='--slurm: sbatch options, verbatim; write --sbatch-args="--time=2:00:00 ..."',
+    )
+
+
 def _with_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (defaults apply without one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -134,7 +207,12 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         commands[name] = (parser, handler)
         return parser
 
-    _with_config(command("train", "train (under torchrun, srun or as a single process)", _train))
+    p = command("train", "train (under torchrun, srun or as a single process)", _train)
+    _with_config(p)
+    p.add_argument("--sweep", metavar="PATH", help="run a trial of this sweep.yaml (or folder)")
+    p.add_argument(
+        "--trial", type=int, metavar="I", help="with --sweep: trial I (default: SLURM's array task)"
+    )
     p = command("plan", "what a config will do, before launching it", _plan)
     _with_config(p)
     p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
@@ -148,8 +226,26 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument(
         "--format", choices=("state_dict", "torchscript", "exported"), default="state_dict"
     )
-    p = command("runs", "list past runs", _runs)
-    p.add_argument("--out-dir", default="runs", help="the runs' run.out_dir")
+    p = command(
+        "verify",
+        "check every checkpoint's files against their content digests, offline "
+        "(exit 0: none damaged, 1: a checkpoint is damaged)",
+        _verify,
+    )
+    p.add_argument("path", nargs="?", metavar="PATH", help="a run directory or a checkpoint folder")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--run", metavar="DIR", help="a run directory: all its checkpoints")
+    source.add_argument("--checkpoint", metavar="PATH", help="one checkpoint folder")
+    p = command(
+        "runs",
+        "list past runs; with DIR (a sweep folder or a run.out_dir) or --format, compare them: "
+        "one row per run, best ckpt.monitor value first",
+        _runs,
+    )
+    p.add_argument("dir", nargs="?", metavar="DIR", help="a sweep folder or a run.out_dir")
+    p.add_argument("--out-dir", help="the runs' run.out_dir (default runs)")
+    p.add_argument("--format", choices=("table", "csv", "json"), help="(default table)")
+    _sweep_options(command("sweep", "many runs of a config: a grid or a random search", _sweep))
     _tokenize_options(command("tokenize", "text into token shards for data.name=tokens", _tokenize))
     return commands
 

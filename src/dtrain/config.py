@@ -22,6 +22,7 @@ from dtrain.config_schema import (
     Config,
     DDPConfig,
     DistConfig,
+    EarlyStopConfig,
     FSDPConfig,
     LogConfig,
     ModelConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "DDPConfig",
     "DataConfig",
     "DistConfig",
+    "EarlyStopConfig",
     "FSDPConfig",
     "LogConfig",
     "ModelConfig",
@@ -113,7 +115,7 @@ def _all_names() -> list[str]:
     return sorted(names)
 
 
-def _unknown_key(dotted: str) -> UserError:
+def unknown_key(dotted: str) -> UserError:
     depth = dotted.count(".")
     same_depth = [n for n in _all_names() if n.count(".") == depth]
     close = difflib.get_close_matches(dotted, same_depth, n=1, cutoff=0.5)
@@ -190,7 +192,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         dotted = prefix + str(key)
         if key not in fields:
-            raise _unknown_key(dotted)
+            raise unknown_key(dotted)
         tp = types[key]
         if _is_section(tp):
             kwargs[fields[key].name] = _build(tp, value if value is not None else {}, dotted + ".")
@@ -250,6 +252,14 @@ def _cross_checks(cfg: Config) -> None:
         )
     if cfg.ckpt.resume not in ("auto", "none") and not cfg.ckpt.resume.strip():
         raise UserError("config error: ckpt.resume: expected auto, none or a checkpoint path")
+    train = cfg.train
+    if train.early_stop.patience is not None and not (
+        train.eval_every_epochs or train.eval_every_steps
+    ):
+        raise UserError(
+            "config error: train.early_stop.patience is set but nothing is evaluated during the "
+            "run; set train.eval_every_epochs or train.eval_every_steps, or drop train.early_stop"
+        )
     name = cfg.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name):
         raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
@@ -366,6 +376,8 @@ NOT_TRAINING = (
     "slurm.",
     "data.num_workers",
     "data.persistent_workers",
+    # When to stop is decided anew from the counts in the checkpoint: a resume may change it.
+    "train.early_stop.",
 )
 
 
@@ -376,6 +388,17 @@ def is_training_key(key: str) -> bool:
 def training_part(data: dict) -> dict[str, Any]:
     """The flattened config without the keys of NOT_TRAINING."""
     return {k: v for k, v in flatten(data).items() if is_training_key(k)}
+
+
+# Keys that set how long a run trains, not what it learns: a resume may change them without
+# ckpt.resume_config_change=allow ("train 10 epochs more"); ckpt.on_length_change says what the
+# learning-rate schedule does then.
+LENGTH_KEYS = ("train.epochs", "train.max_steps")
+
+
+def is_length_change(change: str) -> bool:
+    """Whether a `training_differences` line is about the run's length."""
+    return change.split(":", 1)[0] in LENGTH_KEYS
 
 
 def training_differences(saved: dict, current: dict) -> list[str]:

@@ -116,7 +116,9 @@ class DataConfig:
     augment: bool = _opt(True, doc="false: the validation transform for training too")
     drop_last: bool = _opt(
         True,
-        doc="drop the incomplete last batch and the samples that do not divide over ranks",
+        doc="drop the incomplete last batch and the samples that do not divide over ranks "
+        "(after a world-size change, only what a fresh epoch drops: "
+        "[sample order](data.md#sample-order))",
     )
     image_size: int | None = _opt(
         None,

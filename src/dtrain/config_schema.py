@@ -205,6 +205,25 @@ class SchedConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Ends a run whose `ckpt.monitor` has stopped improving, counted at the evaluations of
+    `train.eval_every_epochs` and `train.eval_every_steps`; see [Training](training.md)."""
+
+    patience: int | None = _opt(
+        None,
+        check=AT_LEAST_ONE,
+        doc="evaluations in a row without an improvement after which the run stops (exit 0, "
+        "status stopped_early); null = never",
+    )
+    min_delta: float = _opt(
+        0.0,
+        check=NON_NEGATIVE,
+        doc="an improvement beats the best value so far by more than this, in "
+        "`ckpt.monitor_mode`'s direction",
+    )
+
+
+@dataclass
 class TrainConfig:
     """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
 
@@ -259,6 +278,7 @@ class TrainConfig:
         check=NON_NEGATIVE,
         doc="K > 0: train on the same K batches, augmentation off (a smoke test)",
     )
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
 
 @dataclass
@@ -286,7 +306,15 @@ class CkptConfig:
     resume_config_change: str = _opt(
         "refuse",
         choices=("refuse", "allow"),
-        doc="resuming with a config that trains something else",
+        doc="resuming with a config that trains something else (a changed length, "
+        "`train.epochs` or `train.max_steps`, is not: see `ckpt.on_length_change`)",
+    )
+    on_length_change: str = _opt(
+        "respan",
+        choices=("respan", "keep"),
+        doc="a resume that changed `train.epochs` or `train.max_steps`: respan: the lr schedule "
+        "becomes the one of the new length from the start (a cosine jumps back up); keep: it "
+        "keeps its length, and steps past its end train at its last lr",
     )
     format: str = _opt(
         "auto",
@@ -307,6 +335,35 @@ class ProfileConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """MLflow tracking, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
+
+    enabled: bool = _opt(False, doc="send params, tags and metrics to MLflow (extra `[mlflow]`)")
+    tracking_uri: str | None = _opt(
+        None,
+        doc="default: `sqlite:///<run.out_dir>/mlflow.db`, a local file (no server); "
+        "`http://host:5000` for a tracking server",
+    )
+    experiment: str | None = _opt(
+        None, doc="default: the sweep's name for a trial of `dtrain sweep`, else `run.name`"
+    )
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
+
+    enabled: bool = _opt(False, doc="log params, tags and metrics to W&B (extra `[wandb]`)")
+    project: str | None = _opt(None, doc="default: as `log.mlflow.experiment`")
+    mode: str = _opt(
+        "offline",
+        choices=("offline", "online"),
+        doc="offline: files under `<run dir>/wandb/` (`wandb sync` uploads them later); "
+        "online: needs `wandb login`",
+    )
+
+
+@dataclass
 class LogConfig:
     """What a run reports, and where; see [Watching a run](watching.md)."""
 
@@ -324,6 +381,8 @@ class LogConfig:
         doc="auto: a bar on a terminal, timestamped lines elsewhere",
     )
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

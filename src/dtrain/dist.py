@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from dtrain.config import DistConfig
 from dtrain.env import Env
 from dtrain.errors import UserError
 from dtrain.layout import Layout
+from dtrain.observe import whereabouts
+from dtrain.observe.logs import log
 
 T = TypeVar("T")
 
@@ -73,7 +76,11 @@ def _store_of_this_attempt(env: Env, timeout: datetime.timedelta) -> dict[str, A
         is_master=env.rank == 0 and not agent_hosts_store,
         timeout=timeout,
     )
-    prefixed = torch_dist.PrefixStore(f"dtrain/attempt_{env.restart_count}", store)
+    # The agent's store outlives attempts: a prefix per attempt. A store of rank 0's own
+    # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which elastic joins need) is new every attempt, and
+    # the agents' restart counts differ once a node has (re)joined: one prefix for all of them.
+    attempt = env.restart_count if agent_hosts_store else 0
+    prefixed = torch_dist.PrefixStore(f"dtrain/attempt_{attempt}", store)
     return {"store": prefixed, "rank": env.rank, "world_size": env.world_size}
 
 
@@ -200,7 +207,10 @@ def is_collective_failure(error: BaseException) -> bool:
 def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> list[int] | None:
     """After a failed collective: the ranks that do not report back through the rendezvous store
     within `wait_s` (the stalled or dead ones). Every rank whose collective failed reports itself.
-    None when the store itself is gone (its host, rank 0's agent, died)."""
+    None when the store itself is gone (its host, rank 0's agent, died).
+
+    Each missing rank is then asked for its Python stack (dumped into its own log) and logged
+    here with its host, last completed step and phase (`whereabouts.report`)."""
     try:
         store = compat.default_store()
         store.set(f"dtrain/alive/{tag}/{rank()}", "1")
@@ -210,9 +220,31 @@ def ranks_not_arriving(tag: str, wait_s: float = 3.0) -> list[int] | None:
             missing = [r for r in missing if not store.check([f"dtrain/alive/{tag}/{r}"])]
             if missing:
                 time.sleep(0.1)
-        return missing
     except Exception:  # noqa: BLE001 - the store is best effort here
         return None
+    try:
+        for line in whereabouts.report(store, missing):
+            log.error(line)
+    except Exception:  # noqa: BLE001 - the names above are what matters; this is detail
+        pass
+    return missing
+
+
+def publish_whereabouts(where: whereabouts.Whereabouts) -> None:
+    """Keep this rank's step and phase in the rendezvous store while the process group lives,
+    for the ranks that may wait on it (no-op at world size 1)."""
+    if is_distributed():
+        where.publish(compat.default_store(), rank(), alive=is_distributed)
+
+
+def host_of(of_rank: int) -> str:
+    """The host that rank `of_rank` runs on, as it named it at start (`publish_whereabouts`)."""
+    if not is_distributed():
+        return socket.gethostname()
+    try:
+        return whereabouts.host_of(compat.default_store(), of_rank)
+    except Exception:  # noqa: BLE001 - a name in a log line: never worth failing for
+        return "?"
 
 
 _ABORT_KEY = "dtrain/abort"

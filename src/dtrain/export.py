@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, compat, config, models, tasks
-from dtrain.checkpoint.state import read_sharded
+from dtrain.checkpoint.state import load_checked, read_sharded
 from dtrain.errors import UserError, first_line
 
 TOLERANCE = 1e-5
@@ -40,11 +40,12 @@ def newest_checkpoint(run_dir: str) -> str:
 
 def load_model(path: str) -> tuple[nn.Module, dict]:
     """The model of the checkpoint at `path` (a checkpoint directory or its checkpoint.pt), in
-    eval mode on the CPU, and the checkpoint's metadata."""
+    eval mode on the CPU, and the checkpoint's metadata. Every file read is checked against the
+    marker's digests: a damaged checkpoint is refused (exit 2), not exported."""
     folder, fmt = checkpoint.open_checkpoint(path)
     sharded = fmt == "sharded"
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
-    meta = checkpoint.load_file(path if os.path.isfile(path) else meta_path)
+    meta = load_checked(path if os.path.isfile(path) else meta_path)
     cfg = config.from_dict(meta["config"])
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     if sharded:

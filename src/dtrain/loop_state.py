@@ -15,7 +15,10 @@ from dtrain import dist
 
 @dataclass
 class TrainState:
-    """Where the run is. `samples_in_epoch` counts samples consumed by all ranks together."""
+    """Where the run is. `samples_in_epoch` counts samples consumed by all ranks together.
+    The `early_stop_*` fields and `evals_since_best` are early stopping's count (`early_stop`):
+    the best `ckpt.monitor` value by train.early_stop.min_delta, its step, and the evaluations
+    since."""
 
     epoch: int = 0
     step: int = 0
@@ -24,26 +27,36 @@ class TrainState:
     skipped_steps: int = 0
     best_metric: float | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
+    early_stop_best: float | None = None
+    early_stop_best_step: int | None = None
+    evals_since_best: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint of an older version lacks the newer fields: they get their defaults."""
+        fresh = TrainState()
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
+            setattr(self, f.name, state.get(f.name, getattr(fresh, f.name)))
 
 
 @dataclass
 class StepTimes:
+    """One step's wall times on this rank: the whole step, its wait for data, and its gradient
+    exchange (the last micro-batch's backward, where every rank waits for the slowest)."""
+
     data_wait_s: float
     step_time_s: float
+    exchange_s: float = 0.0
 
 
 @dataclass
 class Agreed:
     """What one agreement of the ranks read: the steps' loss (sum and count of finite steps, all
     ranks), whether any rank got a stop signal, each pending step's non-finite verdict, the last
-    gradient norm, and the bad samples all ranks replaced so far."""
+    gradient norm, the bad samples all ranks replaced so far, and each rank's pace since the
+    last agreement: its mean step time without the gradient exchange, and its data wait share."""
 
     loss_sum: float
     loss_count: float
@@ -51,6 +64,8 @@ class Agreed:
     skipped: list[bool]
     grad_norm: float | None
     replaced: int
+    step_s: list[float] = field(default_factory=list)
+    data_wait: list[float] = field(default_factory=list)
 
 
 class Pending:
@@ -74,26 +89,33 @@ class Pending:
         self.norm = norm
         self.steps += 1
 
-    def agree(self, stop_flag: bool, replaced: int) -> Agreed:
+    def agree(self, stop_flag: bool, replaced: int, pace: tuple[float, float]) -> Agreed:
         """Sum what every rank has (losses, stop flags, replaced samples) in one all-reduce and
-        read it with this rank's verdicts in one transfer; then start empty."""
+        read it with this rank's verdicts in one transfer; then start empty. Each rank's `pace`
+        (`Window.pace`) travels in its own slots of the same all-reduce, zeros in the others'."""
         norm = (
             self.norm.float().view(1).double()
             if self.norm is not None
             else torch.zeros(1, dtype=torch.float64, device=self.device)
         )
-        host = torch.tensor([float(stop_flag), float(replaced)], dtype=torch.float64)
+        world, rank = dist.world_size(), dist.rank()
+        host = torch.zeros(2 + 2 * world, dtype=torch.float64)
+        host[0], host[1] = float(stop_flag), float(replaced)
+        host[2 + rank], host[2 + world + rank] = pace
         shared = torch.cat([self.loss, host.to(self.device)])
         dist.all_reduce_sum(shared)
         values = torch.cat([shared, norm, self.skipped[: self.steps].double()]).tolist()
-        loss_sum, loss_count, stop, replaced_total, last_norm = values[:5]
+        loss_sum, loss_count, stop, replaced_total = values[:4]
+        paces, values = values[4 : 4 + 2 * world], values[4 + 2 * world :]
         agreed = Agreed(
             loss_sum=loss_sum,
             loss_count=loss_count,
             stop=stop > 0,
-            skipped=[v > 0 for v in values[5:]],
-            grad_norm=last_norm if self.norm is not None else None,
+            skipped=[v > 0 for v in values[1:]],
+            grad_norm=values[0] if self.norm is not None else None,
             replaced=int(replaced_total),
+            step_s=paces[:world],
+            data_wait=paces[world:],
         )
         self.loss.zero_()
         self.norm = None
@@ -107,6 +129,11 @@ class Window:
 
     def __init__(self) -> None:
         self.last_loss: tuple[float, int] | None = None  # kept across windows
+        # Since the last agreement (not the last record): this rank's pace for the next one.
+        self.pace_steps = 0
+        self.pace_step_time = 0.0
+        self.pace_exchange = 0.0
+        self.pace_data_wait = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -124,8 +151,23 @@ class Window:
         self.samples += samples
         self.step_time += times.step_time_s
         self.data_wait += times.data_wait_s
+        self.pace_steps += 1
+        self.pace_step_time += times.step_time_s
+        self.pace_exchange += times.exchange_s
+        self.pace_data_wait += times.data_wait_s
+
+    def pace(self) -> tuple[float, float]:
+        """This rank's mean step time without the gradient exchange, and its share of the step
+        time spent waiting for data, over the steps since the last agreement."""
+        own = self.pace_step_time - self.pace_exchange
+        return (
+            own / max(1, self.pace_steps),
+            self.pace_data_wait / max(1e-9, self.pace_step_time),
+        )
 
     def agreed(self, agreed: Agreed, step: int) -> None:
+        self.pace_steps = 0
+        self.pace_step_time = self.pace_exchange = self.pace_data_wait = 0.0
         self.loss_sum += agreed.loss_sum
         self.loss_count += agreed.loss_count
         if agreed.grad_norm is not None:

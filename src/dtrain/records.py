@@ -2,9 +2,9 @@
 found in one table (`dtrain runs`).
 
 Rank 0 of a run writes its row at the start (status running), after every checkpoint and at the
-end (finished, preempted or failed). Runs sharing an out_dir may write at the same moment: each
-write holds an exclusive lock on `runs.csv.lock`, reads the table, replaces its own row and renames
-a complete new file into place, so that readers never see a half-written table.
+end (finished, preempted, stopped_early or failed). Runs sharing an out_dir may write at the same
+moment: each write holds an exclusive lock on `runs.csv.lock`, reads the table, replaces its own
+row and renames a complete new file into place, so that readers never see a half-written table.
 
 A resumed run (same name, with a checkpoint to resume from) keeps its row's start time and adds up
 the wall time of its attempts. A run killed outright (SIGKILL, a lost node) cannot write: its row
@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from dtrain import slurm
 from dtrain.checkpoint.store import CHECKPOINTS, LATEST, Store
 from dtrain.config import Config, to_dict, training_part
 from dtrain.errors import UserError
@@ -56,6 +57,8 @@ COLUMNS = (
     "precision",
     "seed",
     "error",
+    "world_size_changes",
+    "slurm_job",
 )
 # What `dtrain runs` shows, and under which heading.
 SHOWN = (
@@ -157,6 +160,8 @@ class RunRecord:
             "precision": cfg.train.precision,
             "seed": str(cfg.run.seed),
             "error": "",
+            # `<array job>_<task>` for a task of a job array (a sweep's trial), as squeue shows it
+            "slurm_job": slurm.job_label(os.environ.get("SLURM_JOB_ID")) or "",
         }
         try:
             with _table(self.path) as rows:
@@ -169,6 +174,7 @@ class RunRecord:
                         step=earlier.get("step") or "0",
                         best_metric=earlier.get("best_metric", ""),
                         best_checkpoint=earlier.get("best_checkpoint", ""),
+                        world_size_changes=earlier.get("world_size_changes", ""),
                     )
                 rows[name] = row
         except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
@@ -178,7 +184,7 @@ class RunRecord:
         self.started = True
 
     def update(self, state: Any, status: str = "running") -> None:
-        """After a checkpoint (running) and at the end (finished or preempted)."""
+        """After a checkpoint (running) and at the end (finished, preempted or stopped_early)."""
         if not self.started or self.ended:
             return
         ckpt = self.cfg.ckpt
@@ -191,6 +197,19 @@ class RunRecord:
             fields["best_metric"] = f"{state.best_metric:.6g}"
         self._write(fields)
         self.ended = status != "running"
+
+    def world_size_changed(self, before: int, after: int, step: int) -> None:
+        """A resume at another world size (an elastic run losing or gaining a node): one entry
+        `A->B@step` per change in the row's world_size_changes, oldest first."""
+        if not self.started or self.ended:
+            return
+        try:
+            with _table(self.path) as rows:
+                row = rows.setdefault(self._name(), {"name": self._name()})
+                earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
+                row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
+        except (OSError, csv.Error) as e:
+            log.warning(f"run records: cannot update {self.path} ({e})")
 
     def fail(self, error: BaseException) -> None:
         """The run ended with an exception: status failed, with the error's first line."""
@@ -239,6 +258,15 @@ def _table(path: str) -> Iterator[dict[str, dict[str, str]]]:
                 os.remove(tmp)
 
 
+def mark_failed(out_dir: str, name: str, error: str) -> None:
+    """The row of a run that ended badly without saying so (it failed before its record started,
+    or was killed outright) says failed, with `error` unless it named its own."""
+    with _table(os.path.join(out_dir, FILE)) as rows:
+        row = rows.setdefault(name, {"name": name, "status": "failed"})
+        if row.get("status") != "failed" or not row.get("error"):
+            row.update(status="failed", error=row.get("error") or error)
+
+
 def _read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     """Rows by name, in file order, and columns this version does not know (kept as they are)."""
     if not os.path.exists(path):
@@ -248,6 +276,11 @@ def _read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
         rows = {row["name"]: row for row in reader if row.get("name")}
         extra = [c for c in reader.fieldnames or () if c not in COLUMNS]
     return rows, extra
+
+
+def read(out_dir: str) -> dict[str, dict[str, str]]:
+    """The rows of `out_dir/runs.csv` by run name, in file order; none without the file."""
+    return _read(os.path.join(out_dir, FILE))[0]
 
 
 def _float(text: str | None) -> float:

@@ -33,7 +33,7 @@ from dtrain import (
     layout as layout_mod,
 )
 from dtrain.checkpoint.store import RunDirLock, Store, check_shared
-from dtrain.config import Config, dump
+from dtrain.config import Config, dump, is_length_change
 from dtrain.errors import PeerFailure, UserError, first_line
 from dtrain.layout import Layout, Steps
 from dtrain.loop_state import TrainState
@@ -46,6 +46,7 @@ from dtrain.observe import (
     peak_flops,
     setup_logging,
 )
+from dtrain.observe.trackers import check_installed as check_trackers
 from dtrain.trainer import Callbacks, Trainer
 from dtrain.weights import StartingWeights
 
@@ -89,7 +90,7 @@ def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
 
     def claim() -> None:
         prepare_run_dir(cfg)
-        lock.acquire(env.slurm_job_id)
+        lock.acquire(slurm.job_label(env.slurm_job_id))
 
     dist.on_main(claim)
     os.makedirs(cfg.run_dir, exist_ok=True)  # ranks on other nodes, where it may not be shared
@@ -149,12 +150,14 @@ class Pieces:
 
 
 def train(cfg: Config, config_path: str | None = None) -> str:
-    """Run training; returns 'finished' or 'preempted'. Raises UserError for bad input."""
+    """Run training; returns 'finished', 'preempted' or 'stopped_early' (train.early_stop).
+    Raises UserError for bad input."""
     clock = StartupClock()
     clock.mark("imports")
     env = env_mod.detect()
     resolve_run_name(cfg, env, config_path)
     layout = layout_mod.resolve(cfg, env)
+    check_trackers(cfg)  # an enabled tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
@@ -289,7 +292,7 @@ def _train(
     )
     resumed = checkpoints.resume()
     if resumed:
-        _reconcile_schedule(schedule, checkpoints.config_changes, pieces.steps.total)
+        _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
         if pieces.starting_weights:
             log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
     elif pieces.starting_weights:
@@ -300,10 +303,17 @@ def _train(
     _banner(cfg, layout, pieces, run_dir, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
 
+    # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
+    # and where it changed since the checkpoint, from what: an elastic run shows its changes.
+    world: dict[str, Any] = {"world_size": layout.world_size}
+    if resumed and resumed.world_size != layout.world_size:
+        world["world_size_from"] = resumed.world_size
+        record.world_size_changed(resumed.world_size, layout.world_size, resumed.step)
+
     def first_step() -> dict[str, Any]:
         clock.mark("first step")
         log.info(clock.line())
-        return _log_state_bytes(model, optimizer)
+        return {**world, **_log_state_bytes(model, optimizer)}
 
     callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
     if layout.env.slurm_job_id and dist.is_main():
@@ -345,25 +355,67 @@ def _train(
     return outcome
 
 
-# Changes that make the length of a run different from the one its schedule was made for.
+# Changes of what a step is (allowed only with ckpt.resume_config_change=allow): the schedule
+# made for the old steps cannot continue as it was. train.epochs and train.max_steps are the
+# run's length: ckpt.on_length_change.
 _SCHEDULE_KEYS = (
-    "train.epochs",
-    "train.max_steps",
     "data.batch_size",
     "train.grad_accum",
     "sched.",
 )
 
 
-def _reconcile_schedule(schedule: Any, changes: list[str], total_steps: int) -> None:
+def _reconcile_schedule(
+    schedule: Any, changes: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
+) -> None:
     """A resumed schedule keeps the length it had when the run started (another world size does
-    not bend it), unless the user changed the run's length on purpose."""
-    if any(change.startswith(_SCHEDULE_KEYS) for change in changes):
+    not bend it), unless the user changed the run's length on purpose: changes of what a step is
+    (allowed with ckpt.resume_config_change=allow) re-span it; a changed train.epochs or
+    train.max_steps does what ckpt.on_length_change says, in one line."""
+    if any(c.startswith(_SCHEDULE_KEYS) for c in changes):
         log.info(
-            f"the learning-rate schedule now spans {total_steps} steps "
+            f"the learning-rate schedule now spans {steps.total} steps "
             f"(was {schedule.total_steps}), following the changed config"
         )
-        schedule.total_steps = max(1, total_steps)
+        schedule.total_steps = max(1, steps.total)
+        return
+    length = [c for c in changes if is_length_change(c)]
+    if length:
+        log.info(_length_change(schedule, length, cfg, state, layout, steps))
+
+
+def _length_change(
+    schedule: Any, length: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
+) -> str:
+    """Applies ckpt.on_length_change to the schedule and says what the run now does."""
+    step_samples = layout.batch_size * layout.world_size * layout.grad_accum
+    done_in_epoch = state.samples_in_epoch // step_samples
+    left = steps.per_epoch * (cfg.train.epochs - state.epoch) - done_in_epoch
+    end = state.step + max(0, left)
+    if cfg.train.max_steps:
+        end = min(end, cfg.train.max_steps)
+    said = f"run length changed on resume ({'; '.join(length)})"
+    if end <= state.step:
+        said += f": the run is done at step {state.step}; nothing is left to train"
+    else:
+        said += f": training continues from step {state.step} to step {end}"
+    lr_at = getattr(schedule, "lr_at", None)
+    if lr_at is None:  # a user's scheduler: built for the new length, then given its saved state
+        return f"{said}; the user schedule {cfg.sched.name} was built for {steps.total} steps"
+    old_total, before = schedule.total_steps, lr_at(state.step)
+    if cfg.ckpt.on_length_change == "keep":
+        return (
+            f"{said}; the learning-rate schedule keeps its {old_total} steps "
+            f"(ckpt.on_length_change=keep): lr {before:.4g} at step {state.step}, and "
+            f"{lr_at(old_total):.4g} from step {old_total} on"
+        )
+    schedule.total_steps = max(1, steps.total)
+    return (
+        f"{said}; the learning-rate schedule is re-spanned from {old_total} to "
+        f"{schedule.total_steps} steps, as if the run had been this long from the start "
+        f"(ckpt.on_length_change=respan): lr at step {state.step} {before:.4g} -> "
+        f"{lr_at(state.step):.4g}"
+    )
 
 
 def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:

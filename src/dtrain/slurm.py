@@ -2,12 +2,15 @@
 job's time limit leaves room for it; after it, requeue the job so that it resumes from there.
 
 Only rank 0 calls these (they run `scontrol`). The requeued job keeps its job id, so an unnamed
-run finds its run directory (`job_<id>`) and resumes from the checkpoint.
+run finds its run directory (`job_<id>`) and resumes from the checkpoint. A task of a job array
+(a sweep's trial) is named `<array job>_<task>` in what it runs and logs: that task alone is
+requeued, and it comes back with the same task id, so it finds its own trial again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import time
@@ -18,6 +21,18 @@ from dtrain.env import Env
 from dtrain.observe import log
 
 SCONTROL_TIMEOUT_S = 30
+
+
+def job_label(
+    job_id: str | None, environ: os._Environ[str] | dict[str, str] = os.environ
+) -> str | None:
+    """`<array job>_<task>` for a task of a job array (its SLURM_JOB_ID is a number of its own
+    that users never see: squeue, sacct and the log file names show the array form), else the
+    job id as it is."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if job_id and array and task:
+        return f"{array}_{task}"
+    return job_id
 
 
 def job_fields(job_id: str) -> dict[str, str]:
@@ -54,6 +69,7 @@ def seconds_left(fields: dict[str, str], now: float | None = None) -> float | No
 
 def check_grace(job_id: str, last_save_s: float | None) -> None:
     """Before the preemption save: log whether it can finish before the job's time limit."""
+    job_id = job_label(job_id) or job_id
     report = grace_report(job_id, seconds_left(job_fields(job_id)), last_save_s)
     if report is not None:
         level, message = report
@@ -95,8 +111,9 @@ def _suggested_grace(save_s: float) -> int:
 def after_preemption(cfg: Config, env: Env) -> None:
     """Rank 0, once the preemption checkpoint is complete: report the timing, then requeue a
     job that is still running (the time-limit warning, a preemption's grace time). A job that
-    is already ending was cancelled or ran out of time: requeueing it would undo a scancel."""
-    job_id = env.slurm_job_id
+    is already ending was cancelled or ran out of time: requeueing it would undo a scancel.
+    An array task requeues itself alone (`scontrol requeue <array job>_<task>`)."""
+    job_id = job_label(env.slurm_job_id)
     name = signals.received()
     fields = job_fields(job_id) if job_id else {}
     state = fields.get("JobState")

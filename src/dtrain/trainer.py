@@ -22,10 +22,13 @@ from dtrain import compat, dist, parallel, signals
 from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config
 from dtrain.data import Datasets, Loaders, to_device
+from dtrain.early_stop import EarlyStop
 from dtrain.errors import TrainingStopped
 from dtrain.layout import Layout
 from dtrain.loop_state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import RunLog, Throughput, log, memory_stats
+from dtrain.observe.stragglers import Stragglers
+from dtrain.observe.whereabouts import Whereabouts
 from dtrain.optim import LRSchedule, UserSchedule
 from dtrain.parallel import average_buffers
 from dtrain.tasks import Task, batch_size, improves
@@ -86,7 +89,12 @@ class Trainer:
         self.masked_step = scaler is None and compat.masked_step_supported(optimizer)
         self.pending = Pending(cfg.train.check_every_steps, self.device)
         self.window = Window()
+        # What this rank is doing, for ranks left waiting on it; and which rank is slow.
+        self.where = Whereabouts(self.state)
+        dist.publish_whereabouts(self.where)
+        self.stragglers = Stragglers(dist.host_of)
         self.stop_requested: str | None = None
+        self.early_stop = EarlyStop(cfg.train.early_stop, cfg.ckpt, self.state)
         self._first_step_done = False
         self._pending_record: dict[str, Any] = {}
         self._replaced = 0  # bad samples replaced by all ranks, as of the last agreement
@@ -94,14 +102,20 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train to the end, or until a stop signal; returns 'finished' or 'preempted'.
+        """Train to the end, until a stop signal or until early stopping decides; returns
+        'finished', 'preempted' or 'stopped_early'.
 
         The ranks meet only where `_agree()` is called (and inside evaluations and saves, which
         every rank runs together): at steps that are the same on every rank, never on one rank's
         clock. Everything else here runs without waiting for the device or the other ranks."""
         cfg, state = self.cfg, self.state
         max_steps = cfg.train.max_steps or math.inf
-        while state.epoch < cfg.train.epochs and state.step < max_steps and not self.stop_requested:
+        while (
+            state.epoch < cfg.train.epochs
+            and state.step < max_steps
+            and not self.stop_requested
+            and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
+        ):
             self.loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
             steps_this_epoch = len(self.loaders.train) // self.accum
             done_before = state.samples_in_epoch // self.samples_per_step
@@ -133,7 +147,7 @@ class Trainer:
                 if self._save_due_by_steps() and not last_in_epoch and not self.stop_requested:
                     self._agree()
                     self._save()
-                if self.stop_requested or state.step >= max_steps:
+                if self.stop_requested or state.step >= max_steps or self.early_stop.due:
                     epoch_finished = last_in_epoch
                     break
             del batches  # stops the loader workers of an unfinished epoch
@@ -158,36 +172,49 @@ class Trainer:
                 self._save()
             self.checkpoints.wait()
             return "preempted"
+        # Early stopping ends a run only before its end: one whose last scheduled evaluation
+        # comes at its end has finished (a longer resume of it stops at once).
+        stopped_early = self.early_stop.due and state.epoch < cfg.train.epochs
+        stopped_early = stopped_early and state.step < max_steps
         if state.last_eval.get("step") != state.step:
-            self._evaluate()
+            self._evaluate(scheduled=False)
         if self.checkpoints.last_saved_step != state.step:
             self._save()
         self.checkpoints.wait()
+        if stopped_early:
+            log.info(self.early_stop.line())
+            return "stopped_early"
         return "finished"
 
     # -----------------------------------------------------------------------------------------
     def _train_step(self, batches: Iterator) -> StepTimes:
         """One optimizer step. Between checks it never waits for the device: the loss, whether
         the step was non-finite, and the gradient norm stay on the device (`_Pending`)."""
-        model = self.model
+        model, where = self.model, self.where
         started = time.perf_counter()
         model.train()
         self.schedule.apply(self.state.step)
         step_loss = torch.zeros((), device=self.device, dtype=torch.float32)
-        data_wait = 0.0
+        data_wait = exchange = 0.0
         for micro in range(self.accum):
+            where.phase = "data"
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
+            where.phase = "forward/backward"
             batch = self._to_device(batch)
             last = micro == self.accum - 1
             with self._gradient_sync(last), self._autocast():
                 loss = self.task.loss(model, batch) / self.accum
+            backward_began = time.perf_counter()
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
+            # The last backward exchanges the gradients: the ranks wait there for the slowest.
+            exchange = time.perf_counter() - backward_began
             step_loss += loss.detach()
+        where.phase = "optimizer"
         norm = self._grad_norm()
         # A step is non-finite when its gradients are (checked on every step, clipped or not;
         # a non-finite loss makes them so). The norm is global (DDP averaged the gradients,
@@ -208,7 +235,8 @@ class Trainer:
         # Freed now, not at the next step: evaluations and saves run without them.
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.add(step_loss, skip, norm)
-        return StepTimes(data_wait_s=data_wait, step_time_s=time.perf_counter() - started)
+        where.phase = "logging/callbacks"
+        return StepTimes(data_wait, time.perf_counter() - started, exchange)
 
     def _sync_debug(self, on: bool) -> None:
         """train.sync_debug on CUDA: torch warns at every synchronisation while a step runs
@@ -219,12 +247,16 @@ class Trainer:
     def _agree(self) -> None:
         """The one place where the host waits for the device and the ranks agree (fit calls it
         at the same steps on every rank): reads the steps since the last agreement (their loss,
-        which were non-finite), whether any rank got a stop signal and how many bad samples were
-        replaced, in one all-reduce; applies train.nan_policy to the non-finite steps."""
+        which were non-finite), whether any rank got a stop signal, how many bad samples were
+        replaced and each rank's pace, in one all-reduce; applies train.nan_policy to the
+        non-finite steps and names a straggler."""
         self._sync_debug(False)
         replaced = self.datasets.replaced()
-        agreed = self.pending.agree(signals.received() is not None, replaced or 0)
+        stop = signals.received() is not None
+        agreed = self.pending.agree(stop, replaced or 0, self.window.pace())
         self.window.agreed(agreed, self.state.step)
+        if agreed.skipped:  # there were steps since the last agreement: each rank's pace
+            self.stragglers.check(agreed.step_s, agreed.data_wait)
         if replaced is not None:
             self._replaced = agreed.replaced
         if agreed.stop and not self.stop_requested:
@@ -328,13 +360,19 @@ class Trainer:
             means.update(summarize(dict(means)))
         return {f"val_{name}": value for name, value in means.items()}
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, scheduled: bool = True) -> None:
+        """Evaluate and record; early stopping counts the `scheduled` evaluations, once per step
+        (an epoch's end may evaluate again the step that eval_every_steps just evaluated)."""
         assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
-        metrics = self.evaluate()
+        with self.where.doing("evaluation"):
+            metrics = self.evaluate()
         state = self.state
+        again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}
         value = metrics.get(self.cfg.ckpt.monitor)
         self.schedule.on_eval(value)
+        if scheduled and not again:
+            self.early_stop.count(value)
         if value is not None and improves(value, state.best_metric, self.cfg.ckpt.monitor_mode):
             state.best_metric = value
         self.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
@@ -357,13 +395,14 @@ class Trainer:
         started = time.perf_counter()
         # The non-finite policy first: a checkpoint never follows a bad step unseen.
         assert not self.pending.steps, "a save follows an agreement of the ranks"
-        self._consistent_buffers()
-        if dist.any_rank(not _all_finite(self.model), self.device):
-            raise TrainingStopped(
-                f"the weights are not finite at step {self.state.step}; not "
-                f"saving them (the last good checkpoint is kept)"
-            )
-        self.checkpoints.save()
+        with self.where.doing("checkpoint"):
+            self._consistent_buffers()
+            if dist.any_rank(not _all_finite(self.model), self.device):
+                raise TrainingStopped(
+                    f"the weights are not finite at step {self.state.step}; not "
+                    f"saving them (the last good checkpoint is kept)"
+                )
+            self.checkpoints.save()
         self.last_save_s = time.perf_counter() - started
         for hook in self.callbacks.saved:
             hook(self.state)
@@ -392,6 +431,7 @@ class Trainer:
             record["grad_norm"] = window.grad_norm
         if at_log_step:
             record.update(step_time_s=window.mean_step_time(), data_wait_pct=window.data_wait_pct())
+            record.update(self.stragglers.figures)  # each rank's step time, at the last check
             if state.skipped_steps:
                 record["skipped_steps"] = state.skipped_steps
             record.update(self._pending_record)

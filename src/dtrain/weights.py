@@ -21,7 +21,7 @@ from dtrain import dist
 from dtrain.checkpoint.state import (
     FULL_FILE,
     dcp_model_shapes,
-    load_file,
+    load_checked,
     read_sharded,
     shape_mismatch,
 )
@@ -57,8 +57,9 @@ def pretrained_path(model_name: str) -> str:
 
 
 def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
-    """The model weights in a file: a dtrain full checkpoint's `model`, or a plain state_dict."""
-    data = load_file(path, mmap=True)
+    """The model weights in a file: a dtrain full checkpoint's `model` (checked against its
+    marker's digest), or a plain state_dict."""
+    data = load_checked(path, mmap=True)
     if isinstance(data, dict) and isinstance(data.get("model"), dict) and "train_state" in data:
         data = data["model"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):

@@ -28,6 +28,7 @@ from torch import nn
 
 import dtrain
 from dtrain import dist, rng
+from dtrain.checkpoint import digest
 from dtrain.checkpoint import state as ckpt_state
 from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
 from dtrain.checkpoint.state import (
@@ -215,16 +216,17 @@ class Checkpointer:
 
     def _start_sharded_async(self, tmp: str, payload: dict) -> Any:
         """DCP's asynchronous save: the shards are copied to CPU memory now (pinned on CUDA),
-        and written by DCP's own thread; returns its future."""
+        and written by DCP's own thread; returns its future and the (hashing) writer."""
         import torch.distributed.checkpoint as dcp
 
-        writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
-        return dcp.async_save(
+        writer = digest.hashing_writer(os.path.join(tmp, DCP_DIR))
+        future = dcp.async_save(
             payload,
             storage_writer=writer,
             process_group=self._save_group,
             no_dist=not dist.is_distributed(),
         )
+        return future, writer
 
     def _write_guarded(self, *args: Any) -> None:
         try:
@@ -239,14 +241,15 @@ class Checkpointer:
         group = self._save_group if self.cfg.ckpt.async_ else None
         error: CheckpointError | None = None
         needed = ckpt_state.tensor_bytes(payload) + ckpt_state.tensor_bytes(meta)
-        own_files: dict[str, int] = {}
+        own_files: tuple[dict[str, int], dict[str, str]] = ({}, {})
         try:
             if self.format == "sharded":
                 if pending is not None:
-                    pending.result()
+                    future, writer = pending
+                    future.result()
                 else:
-                    ckpt_state.write_sharded(tmp, payload, group)
-                own_files = self._own_shard_files(tmp)
+                    writer = ckpt_state.write_sharded(tmp, payload, group)
+                own_files = digest.own_files(os.path.join(tmp, DCP_DIR), dist.rank(), writer)
         except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -265,17 +268,6 @@ class Checkpointer:
                 f"rank; the previous checkpoint is kept"
             )
 
-    @staticmethod
-    def _own_shard_files(tmp: str) -> dict[str, int]:
-        """The DCP files this rank wrote (DCP names them __<rank>_<n>.distcp), with their sizes."""
-        folder = os.path.join(tmp, DCP_DIR)
-        prefix = f"__{dist.rank()}_"
-        return {
-            os.path.join(DCP_DIR, n): os.path.getsize(os.path.join(folder, n))
-            for n in os.listdir(folder)
-            if n.startswith(prefix)
-        }
-
     def _publish(
         self,
         name: str,
@@ -283,18 +275,19 @@ class Checkpointer:
         payload: dict,
         meta: dict,
         marker: dict,
-        reports: list[dict[str, int]],
+        reports: list[tuple[dict[str, int], dict[str, str]]],
     ) -> None:
         """Rank 0, after every shard is on disk: the rest of the files, then the marker listing
-        every rank's files, `latest`, and rotation."""
-        if self.format == "full":
-            ckpt_state.torch_save({**meta, **payload}, os.path.join(tmp, FULL_FILE))
-        else:
-            ckpt_state.torch_save(meta, os.path.join(tmp, META_FILE))
+        every rank's files with their sizes and digests, `latest`, and rotation."""
+        own = FULL_FILE if self.format == "full" else META_FILE
+        data = {**meta, **payload} if self.format == "full" else meta
+        digests = {own: ckpt_state.torch_save(data, os.path.join(tmp, own))}
         files = file_sizes(tmp)
-        for report in reports:  # other ranks' shards, also where rank 0 cannot see them
-            files.update(report)
-        final = self.store.publish(name, tmp, marker, files)
+        # Other ranks' shards, also where rank 0 cannot see them.
+        for sizes, shard_digests in reports:
+            files.update(sizes)
+            digests.update(shard_digests)
+        final = self.store.publish(name, tmp, marker, files, digests)
         log.info(f"saved checkpoint {final}")
         ckpt = self.cfg.ckpt
         self.store.rotate(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.monitor_mode)
@@ -409,13 +402,13 @@ class Checkpointer:
 
         def read() -> tuple[str, str, dict[str, Any]]:
             folder, fmt = open_checkpoint(path)
-            if fmt == "full":
-                data = load_file(os.path.join(folder, FULL_FILE), mmap=True)
+            if fmt == "full":  # verified against the marker's digest before it is applied
+                data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
                 meta = {k: v for k, v in data.items() if k not in ("model", "optimizer")}
                 self._check_shapes(folder, {k: tuple(v.shape) for k, v in data["model"].items()})
                 self._full_data = data  # kept on rank 0 only; the others receive what they need
             else:
-                meta = load_file(os.path.join(folder, META_FILE))
+                meta = ckpt_state.load_checked(os.path.join(folder, META_FILE))
                 self._check_shapes(folder, ckpt_state.dcp_model_shapes(folder))
             return folder, fmt, meta
 
@@ -431,7 +424,13 @@ class Checkpointer:
         self._restore_meta(meta, folder)
 
     def _check_config(self, meta: dict[str, Any], folder: str) -> None:
+        from dtrain.config import is_length_change
+
         changes = training_differences(meta.get("config", {}), to_dict(self.cfg))
+        # A longer or shorter run trains the same thing: the run applies it (and says what the
+        # schedule does, ckpt.on_length_change); only the other changes need `allow`.
+        self.config_changes = changes
+        changes = [c for c in changes if not is_length_change(c)]
         if not changes:
             return
         shown = "; ".join(changes[:6]) + (
@@ -447,7 +446,6 @@ class Checkpointer:
         log.warning(
             f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): {shown}"
         )
-        self.config_changes = changes
 
     def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
         """Refuse a checkpoint of another model before anything is loaded into this one."""

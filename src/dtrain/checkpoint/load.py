@@ -11,13 +11,14 @@ from torch import nn
 
 from dtrain import dist
 from dtrain.checkpoint import state as ckpt_state
-from dtrain.checkpoint.store import MARKER, read_marker, verify_files
 from dtrain.errors import UserError, first_line
+from dtrain.verify import MARKER, read_marker, verify_files
 
 
 def open_checkpoint(path: str) -> tuple[str, str]:
     """The folder and format of the checkpoint at `path` (its folder, or a bare checkpoint.pt),
-    after checking that its save completed and that every file it lists has its size."""
+    after checking that its save completed and that every file it lists has its size (their
+    contents are checked against the marker's digests as they are read)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     marker = read_marker(folder)
     if marker is None:

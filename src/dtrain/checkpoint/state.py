@@ -9,6 +9,7 @@ read through an allow-list, so a file crafted to run code when unpickled is refu
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 
 from dtrain import compat, dist
+from dtrain.checkpoint import digest
 from dtrain.errors import UserError, first_line
+from dtrain.verify import HashingFile
 
 FULL_FILE = "checkpoint.pt"
 META_FILE = "meta.pt"
@@ -94,9 +97,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def safe_reader(path: str) -> Any:
-    """DCP's file-system reader, reading `.metadata` through the allow-list."""
-    return compat.dcp_reader(path, lambda f: _MetadataUnpickler(f).load())
+def safe_reader(folder: str, expected: dict[str, str] | None = None) -> Any:
+    """DCP's file-system reader of the checkpoint `folder`, reading `.metadata` through the
+    allow-list; with `expected` digests, every file it reads is checked against them."""
+
+    def read_metadata(f: Any) -> Any:
+        data = digest.checked_bytes(folder, f"{DCP_DIR}/.metadata", f.read(), expected)
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+
+    reader = compat.dcp_reader(os.path.join(folder, DCP_DIR), read_metadata)
+    return digest.verifying_reader(reader, folder, DCP_DIR, expected)
 
 
 def safe_planner() -> Any:
@@ -105,38 +115,56 @@ def safe_planner() -> Any:
 
 
 def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
-    """Fill `state` (tensors of the right shapes and shardings) from the DCP folder. Any failure,
-    including DCP's CheckpointException (a BaseException), becomes a UserError."""
+    """Fill `state` (tensors of the right shapes and shardings) from the DCP folder, checking
+    the digest of every file read. Any failure, including DCP's CheckpointException (a
+    BaseException), becomes a UserError: a damaged file's own line when one is damaged."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.join(folder, DCP_DIR)
+    expected = digest.expected_digests(folder)
     try:
         dcp.load(
             state,
-            storage_reader=safe_reader(path),
+            storage_reader=safe_reader(folder, expected),
             planner=safe_planner(),
             process_group=process_group,
             no_dist=not dist.is_distributed(),
         )
     except (CheckpointException, Exception) as e:  # noqa: BLE001 - any failure: unusable
+        damaged = _damaged_in(e)
+        if damaged is not None:
+            raise damaged from None
         raise UserError(f"checkpoint error: {path} is unreadable: {_dcp_reason(e)}") from None
+
+
+def _failures(error: BaseException) -> list[BaseException]:
+    """The failures inside a CheckpointException (every rank's), or the error itself."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return [error]
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def _damaged_in(error: BaseException) -> digest.Damaged | None:
+    """The damaged file that DCP's failure on some rank reports (the same on every rank)."""
+    return next((f for f in _failures(error) if isinstance(f, digest.Damaged)), None)
 
 
 def _dcp_reason(error: BaseException) -> str:
     """The first failure inside a CheckpointException (which lists every rank's traceback)."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        return f"{type(inner).__name__}: {first_line(inner)}"
-    return first_line(error)
+    inner = _failures(error)[0]
+    if inner is error:
+        return first_line(error)
+    return f"{type(inner).__name__}: {first_line(inner)}"
 
 
 def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
     """The model's keys and shapes as DCP's metadata lists them (read through the allow-list)."""
     try:
-        metadata = safe_reader(os.path.join(folder, DCP_DIR)).read_metadata()
+        metadata = safe_reader(folder, digest.expected_digests(folder)).read_metadata()
+    except digest.Damaged:
+        raise
     except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
         raise UserError(
             f"checkpoint error: {folder}: its DCP metadata is unreadable: {first_line(e)}"
@@ -148,20 +176,34 @@ def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> None:
+def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> Any:
+    """DCP's save into `folder`/dcp; returns the writer, whose `fs.digests` has the digest of
+    every file this rank wrote."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(os.path.join(folder, DCP_DIR), sync_files=True)
+    writer = digest.hashing_writer(os.path.join(folder, DCP_DIR))
     dcp.save(
         state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_distributed()
     )
+    return writer
 
 
-def torch_save(obj: Any, path: str) -> None:
+def torch_save(obj: Any, path: str) -> str:
+    """torch.save, fsynced; returns the file's digest, computed as the bytes are written."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        hashing = HashingFile(f)
+        torch.save(obj, hashing)  # type: ignore[arg-type]  # a file-like object with write()
         f.flush()
         os.fsync(f.fileno())
+    return hashing.hexdigest()
+
+
+def load_checked(path: str, mmap: bool = False) -> dict[str, Any]:
+    """`load_file`, with the file's digest checked against its folder's marker (computed while
+    torch reads it) when the folder is a checkpoint that has digests."""
+    folder, name = os.path.split(path)
+    expected = digest.expected_digests(folder or ".")
+    return digest.checked(folder or ".", [name], expected, lambda: load_file(path, mmap=mmap))
 
 
 def tensor_bytes(obj: Any) -> int:

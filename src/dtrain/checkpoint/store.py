@@ -6,7 +6,8 @@ Layout of `<run dir>/`:
     .lock                                   held by rank 0 of the run that owns the directory
     checkpoints/
         step_000120-epoch_01-val_acc_0.9412/   one checkpoint (the name is for people)
-            COMPLETE                        save number, step, format, every file's size: written
+            COMPLETE                        save number, step, format, every file's size and
+                                            content digest (xxh3-128): written
                                             last into the temporary folder, whose rename into
                                             place makes the checkpoint complete
         latest                              the name of the newest complete checkpoint
@@ -37,8 +38,8 @@ from typing import Any
 from dtrain import dist
 from dtrain.errors import CheckpointError, UserError, first_line
 from dtrain.observe import log
+from dtrain.verify import ALGORITHM, MARKER, file_digest, read_marker, seal
 
-MARKER = "COMPLETE"
 LATEST = "latest"
 LOCK_FILE = ".lock"
 CHECKPOINTS = "checkpoints"
@@ -84,27 +85,6 @@ def file_sizes(root: str) -> dict[str, int]:
 def checkpoint_name(step: int, epoch: int, monitor: str, value: float | None) -> str:
     name = f"step_{step:06d}-epoch_{epoch:02d}"
     return name if value is None else f"{name}-{monitor}_{value:.4f}"
-
-
-def read_marker(path: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
-def verify_files(path: str, marker: dict[str, Any]) -> str | None:
-    """None when every file the marker lists is there with its size; else what is wrong."""
-    for name, size in marker.get("files", {}).items():
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            return f"{name} is missing"
-        actual = os.path.getsize(full)
-        if actual != size:
-            return f"{name} has {actual} bytes, expected {size}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,13 +245,22 @@ class Store:
         return next((e for e in self.complete() if os.path.realpath(e.path) == real), None)
 
     def prepare(self) -> None:
-        """Create the folder; remove what interrupted saves left (never a complete checkpoint)."""
+        """Create the folder; remove what interrupted saves left (their temporary folders only).
+        A checkpoint folder without a marker that can be trusted (one damaged after it was
+        written, or copied in without it) is moved aside, never deleted: it may be all there is."""
         os.makedirs(self.dir, exist_ok=True)
-        for name in os.listdir(self.dir):
+        unmarked = []
+        for name in sorted(os.listdir(self.dir)):
             path = os.path.join(self.dir, name)
-            if os.path.isdir(path) and (name.startswith(TMP_PREFIX) or read_marker(path) is None):
+            if not os.path.isdir(path):
+                continue
+            if name.startswith(TMP_PREFIX):
                 log.warning(f"removing incomplete checkpoint {path}")
                 shutil.rmtree(path, ignore_errors=True)
+            elif read_marker(path) is None:
+                unmarked.append(Entry(name, path, {}))
+        if unmarked:
+            self.supersede(unmarked, f"no {MARKER} marker that can be trusted (damaged or missing)")
 
     def begin(self, name: str) -> str:
         """A fresh temporary folder for the save of `name`."""
@@ -280,9 +269,17 @@ class Store:
         os.makedirs(tmp)
         return tmp
 
-    def publish(self, name: str, tmp: str, marker: dict[str, Any], files: dict[str, int]) -> str:
+    def publish(
+        self,
+        name: str,
+        tmp: str,
+        marker: dict[str, Any],
+        files: dict[str, int],
+        digests: dict[str, str],
+    ) -> str:
         """After every file is on disk (fsynced by its writer): the marker (with the next save
-        number) goes into the temporary folder, and renaming the folder into place is the one
+        number, and the digest of every file: computed by its writer, or here for one that has
+        none) goes into the temporary folder, and renaming the folder into place is the one
         step that makes the checkpoint complete; then `latest`. Three fsyncs beyond the data's:
         the marker, the temporary folder, the checkpoints folder. `latest` is for people and
         tools (resuming follows the markers), so it is replaced atomically but not fsynced.
@@ -290,14 +287,18 @@ class Store:
         final = os.path.join(self.dir, name)
         if os.path.exists(final):  # only an incomplete one can be there; a complete one is kept
             existing = read_marker(final)
-            if existing is not None:
-                self.supersede([Entry(name, final, existing)], "a checkpoint of the same name")
-            else:
-                shutil.rmtree(final)
+            self.supersede([Entry(name, final, existing or {})], "a checkpoint of the same name")
         newest = self.complete()
-        marker = dict(marker, seq=(newest[0].seq if newest else 0) + 1, files=files)
+        digests = {n: digests.get(n) or file_digest(os.path.join(tmp, n)) for n in sorted(files)}
+        marker = dict(
+            marker,
+            seq=(newest[0].seq if newest else 0) + 1,
+            files=files,
+            digest=ALGORITHM,
+            digests=digests,
+        )
         write_atomic(
-            os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode()
+            os.path.join(tmp, MARKER), json.dumps(seal(marker), indent=1).encode()
         )  # + fsync(tmp)
         os.replace(tmp, final)
         fsync_dir(self.dir)

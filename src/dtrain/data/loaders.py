@@ -165,7 +165,9 @@ def loaders(
         )
     if len(val_set) == 0:
         raise UserError("data error: the validation set is empty")
-    train_sampler = ResumableSampler(len(train_set), rank, world_size, seed, shuffle, cfg.drop_last)
+    train_sampler = ResumableSampler(
+        len(train_set), rank, world_size, seed, shuffle, cfg.drop_last, cfg.batch_size
+    )
     val_sampler = EvalSampler(len(val_set), rank, world_size)
     common = _LoaderOptions(
         num_workers=workers,
@@ -179,7 +181,10 @@ def loaders(
         train_set,
         batch_size=cfg.batch_size,
         sampler=train_sampler,
-        drop_last=cfg.drop_last,
+        # The sampler applies data.drop_last itself: it serves whole batches only, except the
+        # one short step that keeps what a world-size change left of an epoch. The loader
+        # dropping a part batch would lose those samples.
+        drop_last=False,
         generator=generator,
         **common,
     )

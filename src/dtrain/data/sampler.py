@@ -87,6 +87,11 @@ class ResumableSampler(Sampler[tuple[int, int]]):
     `consumed` positions, whatever the world size, so a resume maps the position by global
     samples consumed and never skips or repeats a sample.
 
+    With `drop_last`, the sampler also decides which part batch is kept (the loader keeps every
+    batch it is given): none while the position is a whole number of steps (ranks x
+    `batch_size`), as DistributedSampler and a dropping loader would; after a world-size
+    change, the part step the change left beyond what a fresh epoch drops (see `_kept`).
+
     The permutation: below LAZY_ORDER_FROM samples, DistributedSampler's own (torch.randperm of
     seed + epoch, held as one tensor for the epoch: 8 bytes a sample); from there on, a
     SeededBijection of (seed, epoch), computed per position: a corpus of tens of millions of
@@ -102,9 +107,11 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         seed: int,
         shuffle: bool = True,
         drop_last: bool = True,
+        batch_size: int = 1,
     ) -> None:
         self.size, self.rank, self.world_size = size, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.batch_size = batch_size
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
@@ -120,26 +127,43 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         order = torch.randperm(self.size, generator=gen).numpy()
         return lambda positions: order[positions]
 
+    def _kept(self) -> int:
+        """drop_last: how many positions after `consumed` the ranks take, rank r every world-th
+        from the r-th. Whole steps (world x batch) while the rest fills them; of the part step
+        left, a fresh epoch's tail (size mod world x batch) is dropped and the remainder kept as
+        a short last step, so no epoch drops more than a fresh one at this world size. Without
+        a change the part step is exactly that tail: nothing short is ever kept. A remainder
+        smaller than the world would leave some rank without a sample for that step (the ranks
+        must run the same number of batches): it is dropped too."""
+        step = self.world_size * self.batch_size
+        rest = max(self.size - self.consumed, 0)
+        kept = rest - min(rest % step, self.size % step)
+        short = kept % step
+        return kept - short if short < self.world_size else kept
+
     def _rest(self) -> int:
-        """Positions of the epoch's order left after `consumed`: the order divides over the
-        ranks by DistributedSampler's rule (the tail dropped, or padded from the start)."""
+        """Without drop_last: positions of the epoch's order left after `consumed`, the order
+        padded from its start to divide over the ranks, as DistributedSampler pads it."""
         size, world = self.size, self.world_size
-        total = size - size % world if self.drop_last else size + min(-size % world, size)
-        return max(total - self.consumed, 0)
+        return max(size + min(-size % world, size) - self.consumed, 0)
 
     def __len__(self) -> int:
-        """Batches of this rank, by arithmetic (no permutation to draw). A rest that does not
-        divide over the ranks (only after a world-size change) is dropped or padded from its
-        own start."""
-        world, rest = self.world_size, self._rest()
+        """Samples of this rank, by arithmetic (no permutation to draw). Without drop_last, a
+        rest that does not divide over the ranks (only after a world-size change) is padded
+        from its own start."""
+        world = self.world_size
+        if self.drop_last:
+            return len(range(self.rank, self._kept(), world))
+        rest = self._rest()
         uneven = rest % world
         if uneven:
-            rest = rest - uneven if self.drop_last else rest + min(world - uneven, rest)
+            rest += min(world - uneven, rest)
         return rest // world
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         # The epoch and position are read now: a later set_epoch does not change this pass.
-        return self._serve(self.epoch, self.consumed, self._rest(), len(self), self.permutation())
+        rest = self._kept() if self.drop_last else self._rest()
+        return self._serve(self.epoch, self.consumed, rest, len(self), self.permutation())
 
     def _serve(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 from dtrain.config import Config, flatten, to_dict
 from dtrain.observe.logs import log
 from dtrain.observe.progress import Progress, format_record
-from dtrain.observe.sinks import Record, Sink, build_sinks
+from dtrain.observe.sinks import Record, Sink, TensorBoardSink, build_sinks
 
 
 class RunLog:
@@ -33,6 +33,7 @@ class RunLog:
         self.cfg, self.is_main = cfg, is_main
         self.progress = Progress(sys.stderr, cfg.log.progress, cfg.log.every_s)
         self.sinks: list[Sink] = []
+        self._session_started = False
         if is_main:
             self.sinks = (
                 list(sinks)
@@ -41,6 +42,9 @@ class RunLog:
             )
 
     def _write(self, record: Record) -> None:
+        if not self._session_started:
+            self._session_started = True
+            self._start_session()
         for sink in self.sinks:
             sink.write(record)
 
@@ -64,15 +68,26 @@ class RunLog:
         if self.is_main:
             self._write(Record("val", record))
 
+    def _hparam_config(self) -> dict[str, Any]:
+        return {
+            key: (value if isinstance(value, (int, float, str, bool)) else str(value))
+            for key, value in flatten(to_dict(self.cfg)).items()
+        }
+
+    def _start_session(self) -> None:
+        """TensorBoard's HParams tab lists a run from its start on (the other sinks take the
+        config when they open); here rather than at construction, where it would import
+        TensorBoard on the way to the first step."""
+        for sink in self.sinks:
+            if isinstance(sink, TensorBoardSink):
+                sink.session_start(self._hparam_config())
+
     def hparams(self, step: int, final_metrics: dict[str, float | None]) -> None:
         """The flattened resolved config and the final/best metrics (those known), for the
         sinks that compare runs by them (TensorBoard's HParams tab)."""
         if not self.sinks:
             return
-        config = {
-            key: (value if isinstance(value, (int, float, str, bool)) else str(value))
-            for key, value in flatten(to_dict(self.cfg)).items()
-        }
+        config = self._hparam_config()
         final = {key: value for key, value in final_metrics.items() if value is not None}
         for sink in self.sinks:
             sink.hparams(step, config, final)

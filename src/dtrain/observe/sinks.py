@@ -1,10 +1,9 @@
-"""Where a run's records go, behind one small interface: metrics.jsonl and TensorBoard today;
-an experiment tracker is one more class with the same three methods and one entry in
-`build_sinks`.
+"""Where a run's records go, behind one small interface: metrics.jsonl, TensorBoard, and the
+experiment trackers (`trackers`: MLflow, W&B), each a class with the same three methods.
 
 Only rank 0 has sinks. On resume, each sink drops what the interrupted attempt wrote after the
 resumed step (metrics.jsonl is rewritten, TensorBoard purges), so that every curve continues
-without duplicate or out-of-order steps.
+without duplicate or out-of-order steps; a tracker, which cannot drop, skips the steps it holds.
 """
 
 from __future__ import annotations
@@ -62,6 +61,10 @@ def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | 
     ]
     if cfg.log.tensorboard:
         sinks.append(TensorBoardSink(os.path.join(run_dir, "tb"), resumed_step))
+    # After metrics.jsonl is cut back to the resumed step: the trackers hold what it keeps.
+    from dtrain.observe.trackers import build_trackers
+
+    sinks.extend(build_trackers(cfg, run_dir, resumed_step, superseded))
     return sinks
 
 
@@ -119,6 +122,10 @@ class TensorBoardSink:
         "samples_per_s",
         "step_time_s",
         "data_wait_pct",
+        "step_time_max",
+        "step_time_min",
+        "slowest_rank",
+        "world_size",
         "tokens_per_s",
         "flops_per_s",
         "mfu",
@@ -156,18 +163,37 @@ class TensorBoardSink:
         # On disk at every record, as metrics.jsonl is: a killed run keeps its curves.
         self.writer.flush()
 
-    def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
-        """The HParams tab, written by the run's own writer (SummaryWriter.add_hparams would
-        open a second event file)."""
-        from torch.utils.tensorboard.summary import hparams
+    def session_start(self, config: Mapping[str, Any]) -> None:
+        """The HParams tab's row for this run, from its first record on (observe/tb_hparams.py):
+        a run still going on, killed or failed is in the table too."""
+        from dtrain.observe import tb_hparams
+        from dtrain.runs_table import trial_of
 
+        summary = tb_hparams.session_start(config, trial_of(os.path.dirname(self.log_dir)))
+        self._add_summaries([summary], 0)
+
+    def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
+        """The HParams tab's columns (a sweep's swept keys first) and the final and best
+        figures as `hparam/<name>` scalars, written by the run's own writer
+        (SummaryWriter.add_hparams would open a second event file)."""
+        from dtrain.observe import tb_hparams
+        from dtrain.runs_table import trial_of
+
+        trial = trial_of(os.path.dirname(self.log_dir))
         metrics = {f"hparam/{key}": value for key, value in final.items()}
-        file_writer = self.writer.file_writer
-        assert file_writer is not None  # SummaryWriter opens it when it is made
-        for summary in hparams(dict(config), metrics):
-            file_writer.add_summary(summary, step)
+        summaries = [tb_hparams.session_start(config, trial)]  # ignored after the first record's
+        if metrics:  # TensorBoard keeps a run's first experiment: one with the metrics' columns
+            summaries.append(tb_hparams.experiment(config, trial, list(metrics)))
+        self._add_summaries(summaries, step)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def _add_summaries(self, summaries: list[Any], step: int) -> None:
+        file_writer = self.writer.file_writer
+        assert file_writer is not None  # SummaryWriter opens it when it is made
+        for summary in summaries:
+            file_writer.add_summary(summary, step)
         self.writer.flush()
 
     def close(self) -> None:
