@@ -23,6 +23,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(language_model.run)
     import bpe_vs_bytes  # run on its own too: ten minutes a side
     assert callable(bpe_vs_bytes.run)
+    import ema_cost  # run on its own: the EMA figures of docs/after_training.md
+    assert callable(ema_cost.run)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, latest
 
-COMMANDS = ["train", "plan", "doctor", "export", "verify", "runs", "tokenize", "sweep"]
+COMMANDS = ["train", "plan", "doctor", "export", "verify", "runs", "tokenize", "sweep", "convert", "eval"]
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)], ids=["dtrain", *COMMANDS])
@@ -46,8 +46,8 @@ USAGE_ERRORS = [
     (["export", "--run", "r", "--checkpoint", "c", "--out", "m.pt"],
      "argument --checkpoint: not allowed with argument --run"),
     (["export", "--run", "r"], "the following arguments are required: --out"),
-    (["export", "--run", "r", "--out", "m.pt", "--format", "onnx"],
-     "argument --format: invalid choice: 'onnx'"),
+    (["export", "--run", "r", "--out", "m.pt", "--format", "tflite"],
+     "argument --format: invalid choice: 'tflite'"),
     (["runs", "--out-dir"], "argument --out-dir: expected one argument"),
     (["verify", "--run", "r", "--checkpoint", "c"],
      "argument --checkpoint: not allowed with argument --run"),

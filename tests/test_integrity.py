@@ -273,6 +273,20 @@ def sharded_run(tmp_path_factory) -> Result:
 
 
 @pytest.mark.slow
+def test_a_2_rank_sharded_sgd_checkpoint_resumes_in_one_process(sharded_run, tmp_path) -> None:
+    """A single process builds fused SGD (no shards to forbid it); the checkpoint's optimizer
+    settings, saved by a sharded run whose SGD could not be fused, must not switch that off
+    under the trainer's masked step (it did: an assertion inside SGD.step)."""
+    run_dir = tmp_path / "runs" / "run"
+    shutil.copytree(sharded_run.run_dir, run_dir)
+    result = launch(run_dir, [*SHARDED[:1], "train.max_steps=12", "ckpt.every_steps=4",
+                              *SAVES[1:], "parallel.mode=fsdp"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(world size 2 -> 1)" in result.stderr
+    assert [r["step"] for r in result.records() if "loss" in r][-4:] == [9, 10, 11, 12]
+
+
+@pytest.mark.slow
 def test_the_marker_of_a_sharded_save_lists_every_ranks_files(sharded_run) -> None:
     marker = json.loads((latest(sharded_run.run_dir) / "COMPLETE").read_text())
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "meta.pt"} <= set(marker["files"])

@@ -1,4 +1,5 @@
-"""The `dtrain` command: train | plan | doctor | export | verify | runs | sweep | tokenize.
+"""The `dtrain` command: train | plan | doctor | eval | export | convert | verify | runs | sweep |
+tokenize.
 
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
@@ -73,12 +74,24 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.main()
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from dtrain import evaluate_cmd
+
+    return evaluate_cmd.main(args)
+
+
 def _export(args: argparse.Namespace) -> int:
     from dtrain import export
 
     path = args.checkpoint if args.checkpoint is not None else export.newest_checkpoint(args.run)
-    export.export(path, args.out, args.format)
+    export.export(path, args.out, args.format, args.weights, args.overrides)
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from dtrain import convert
+
+    return convert.main(args)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -218,13 +231,48 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
     p.add_argument("--nnodes", type=int, default=1)
     command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
+    p = command(
+        "eval",
+        "a checkpoint's metrics by the run's own evaluation, on its validation data or on "
+        "other data (under torchrun, srun or as a single process); read-only but for DIR/evals/",
+        _eval,
+    )
+    # DIR may come without --run: torchrun's own parser refuses `--run` (a prefix of its
+    # --run-path) wherever it appears, so `torchrun ... -m dtrain eval DIR` is the form there.
+    p.add_argument("--run", metavar="DIR", help="the run directory (or DIR, without --run)")
+    p.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="latest|best|PATH",
+        help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("model", "ema"),
+        default="model",
+        help="the trained weights (default) or their average (train.ema)",
+    )
+    p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="[DIR] section.key=value")
     p = command("export", "export a checkpoint's weights for use without dtrain", _export)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="a run directory: its newest checkpoint")
     source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint folder or file")
-    p.add_argument("--out", metavar="PATH", required=True)
     p.add_argument(
-        "--format", choices=("state_dict", "torchscript", "exported"), default="state_dict"
+        "--out", metavar="PATH", required=True, help="the file (safetensors: or its folder)"
+    )
+    p.add_argument(
+        "--format",
+        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors"),
+        default="state_dict",
+        help="onnx and safetensors need the 'export' extra (default state_dict)",
+    )
+    p.add_argument("--weights", choices=("model", "ema"), default="model")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="data.key=value",
+        help="--format onnx: where the check's validation batch is read from (e.g. data.root)",
     )
     p = command(
         "verify",
@@ -246,6 +294,15 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument("--out-dir", help="the runs' run.out_dir (default runs)")
     p.add_argument("--format", choices=("table", "csv", "json"), help="(default table)")
     _sweep_options(command("sweep", "many runs of a config: a grid or a random search", _sweep))
+    p = command(
+        "convert",
+        "a checkpoint in the other format: sharded (meta.pt + dcp/) to one checkpoint.pt, or "
+        "back; the new folder resumes (ckpt.resume=DIR) and exports like the original",
+        _convert,
+    )
+    p.add_argument("--checkpoint", metavar="PATH", required=True, help="a checkpoint folder")
+    p.add_argument("--to", metavar="FORMAT", required=True, help="full | sharded")
+    p.add_argument("--out", metavar="DIR", required=True, help="the new checkpoint's folder")
     _tokenize_options(command("tokenize", "text into token shards for data.name=tokens", _tokenize))
     return commands
 
@@ -317,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         handler, args = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as stop:  # argparse has printed the help (0) or the usage error (2)
         return _exit_code(stop)
-    if handler is not _train:  # the other commands need no torch to start
+    if handler not in (_train, _eval):  # the other commands need no torch to start
         return _run(handler, args)
     # Under torchrun, a failed rank's error goes to the file the agent reports from. `record`
     # hands back None where the command raised SystemExit(0).

@@ -266,6 +266,8 @@ def _cross_checks(cfg: Config) -> None:
     from dtrain.registry import builtin_metrics  # what the built-in tasks report
 
     reported = builtin_metrics(cfg.task.name)
+    if reported is not None and train.ema.decay is not None and train.ema.eval:
+        reported = (*reported, *(f"{m}_ema" for m in reported))  # the averaged weights' too
     if reported is not None and cfg.ckpt.monitor not in reported:
         close = difflib.get_close_matches(cfg.ckpt.monitor, reported, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -378,6 +380,8 @@ NOT_TRAINING = (
     "data.persistent_workers",
     # When to stop is decided anew from the counts in the checkpoint: a resume may change it.
     "train.early_stop.",
+    # An average of the weights never changes the weights trained: it may be switched on or off.
+    "train.ema.",
 )
 
 

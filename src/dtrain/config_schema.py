@@ -224,6 +224,25 @@ class EarlyStopConfig:
 
 
 @dataclass
+class EmaConfig:
+    """An exponential moving average of the parameters, saved in every checkpoint and evaluated
+    beside them; see [After training](after_training.md#ema-weights)."""
+
+    decay: float | None = _opt(
+        None,
+        check=(lambda v: 0 < v < 1, "must be in (0, 1), e.g. 0.999"),
+        doc="each update keeps this share of the average and takes the rest from the "
+        "parameters; null = no EMA",
+    )
+    every_steps: int = _opt(
+        1, check=AT_LEAST_ONE, doc="update the average after every this many optimizer steps"
+    )
+    eval: bool = _opt(
+        True, doc="each evaluation also evaluates the averaged weights (`val_<name>_ema`)"
+    )
+
+
+@dataclass
 class TrainConfig:
     """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
 
@@ -279,6 +298,7 @@ class TrainConfig:
         doc="K > 0: train on the same K batches, augmentation off (a smoke test)",
     )
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
 
 @dataclass

@@ -1,16 +1,23 @@
 """`dtrain export`: a checkpoint's model as a file that loads without dtrain, checked on a batch.
 
 A checkpoint is named by its path (`--checkpoint`) or by its run directory (`--run`: the newest
-complete checkpoint there). Formats: `state_dict` (plain tensors by parameter name, from full and
-sharded checkpoints alike), `torchscript` (torch.jit.trace) and `exported` (torch.export). After
-writing, the file is loaded back the way a user would and its outputs are compared with the
-checkpoint's model on a batch.
+complete checkpoint there); full and sharded checkpoints alike are read in this one process (no
+process group), every file checked against the marker's digests. `--weights ema` exports the
+checkpoint's moving average of the weights instead of the trained ones.
+
+Formats: `state_dict` (plain tensors by parameter name), `torchscript` (torch.jit.trace),
+`exported` (torch.export), `onnx` (export_onnx: checked under onnxruntime on a validation batch)
+and `safetensors` (export_safetensors: the weights with the config beside them). After writing,
+the file is loaded back the way a user would and its outputs (or weights) are compared with the
+checkpoint's model; a file that fails the check is removed and the command exits 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +28,14 @@ from dtrain.checkpoint.state import load_checked, read_sharded
 from dtrain.errors import UserError, first_line
 
 TOLERANCE = 1e-5
+FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors")
+WEIGHTS = ("model", "ema")
+
+
+class CheckFailed(UserError):
+    """The export was written but does not reproduce the checkpoint's model: one line, exit 1."""
+
+    exit_code = 1
 
 
 def newest_checkpoint(run_dir: str) -> str:
@@ -38,10 +53,11 @@ def newest_checkpoint(run_dir: str) -> str:
     return saved[0].path
 
 
-def load_model(path: str) -> tuple[nn.Module, dict]:
+def load_model(path: str, weights: str = "model") -> tuple[nn.Module, dict]:
     """The model of the checkpoint at `path` (a checkpoint directory or its checkpoint.pt), in
-    eval mode on the CPU, and the checkpoint's metadata. Every file read is checked against the
-    marker's digests: a damaged checkpoint is refused (exit 2), not exported."""
+    eval mode on the CPU, and the checkpoint's metadata; with `weights` "ema", holding the
+    checkpoint's moving average of the weights. Every file read is checked against the marker's
+    digests: a damaged checkpoint is refused (exit 2), not exported."""
     folder, fmt = checkpoint.open_checkpoint(path)
     sharded = fmt == "sharded"
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
@@ -50,15 +66,40 @@ def load_model(path: str) -> tuple[nn.Module, dict]:
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     if sharded:
         state = {"model": model.state_dict()}
-        read_sharded(folder, state)
-        weights = state["model"]
+        with _one_process():
+            read_sharded(folder, state)
+        saved = state["model"]
     else:
-        weights = meta["model"]
+        saved = meta["model"]
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(saved)
     except RuntimeError as e:
         raise UserError(f"checkpoint error: {path}: {first_line(e)}") from None
-    return model.eval(), meta
+    if weights == "ema":
+        with _one_process():
+            _load_ema(model, folder)
+    return model.float().eval(), meta
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it reads in a single process when no process group exists: that is what
+    export means to do, so the user is not told."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _load_ema(model: nn.Module, folder: str) -> None:
+    # Imported here: only `--weights ema` needs the EMA module.
+    from dtrain import ema
+
+    if not ema.has_ema(folder):
+        raise UserError(
+            f"export error: {folder} was saved without EMA weights (train.ema.decay unset); "
+            f"use --weights model"
+        )
+    ema.load_ema_into(model, folder)
 
 
 def example_input(meta: dict, size: int = 4) -> Any:
@@ -69,7 +110,7 @@ def example_input(meta: dict, size: int = 4) -> Any:
     return make(meta["model_info"], size) if make is not None else None
 
 
-def _difference(a: Any, b: Any) -> float:
+def difference(a: Any, b: Any) -> float:
     """The largest difference between the tensors of two outputs (tensors, tuples, dicts, ...)."""
     left, right = compat.tensor_leaves(a), compat.tensor_leaves(b)
     tensors = [(x, y) for x, y in zip(left, right, strict=False) if isinstance(x, torch.Tensor)]
@@ -78,10 +119,57 @@ def _difference(a: Any, b: Any) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in tensors)
 
 
-def export(path: str, out: str, fmt: str = "state_dict") -> float:
-    """Write the export, load it back, and return the largest output difference on a batch (the
-    weights' difference for a state_dict of a task that cannot make an input)."""
-    model, meta = load_model(path)
+def _required(fmt: str) -> None:
+    """The optional packages a format needs, before any checkpoint is read: a missing one is
+    one line naming the extra (exit 2)."""
+    from dtrain.imports import require
+
+    needs = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "safetensors": ("safetensors",)}
+    for module in needs.get(fmt, ()):
+        require(module, "export", f"dtrain export --format {fmt} ({module})")
+
+
+def export(
+    path: str,
+    out: str,
+    fmt: str = "state_dict",
+    weights: str = "model",
+    overrides: list[str] | tuple[str, ...] = (),
+) -> float:
+    """Write the export, load it back, and return the largest difference found by the check.
+    `overrides` (data.* keys) steer where the ONNX check reads its validation batch."""
+    if fmt not in FORMATS:
+        raise UserError(f"export error: unknown format '{fmt}'; one of {', '.join(FORMATS)}")
+    if weights not in WEIGHTS:
+        raise UserError(f"export error: unknown --weights '{weights}'; model or ema")
+    if overrides and fmt != "onnx":
+        raise UserError(
+            "export error: data.* overrides steer the validation batch of --format onnx's "
+            "check only; drop them"
+        )
+    _required(fmt)
+    if not os.path.exists(path):
+        raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        raise UserError(
+            f"export error: --checkpoint {path} is a run directory; give it as --run {path} "
+            f"(its newest checkpoint) or name one of its checkpoints"
+        )
+    model, meta = load_model(path, weights)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    what = f"{path} ({weights} weights)" if weights == "ema" else path
+    if fmt == "onnx":
+        from dtrain import export_onnx
+
+        return export_onnx.export(model, meta, what, out, list(overrides), weights)
+    if fmt == "safetensors":
+        from dtrain import export_safetensors
+
+        return export_safetensors.export(model, meta, what, out, weights)
+    return _export_torch(model, meta, what, out, fmt)
+
+
+def _export_torch(model: nn.Module, meta: dict, path: str, out: str, fmt: str) -> float:
     inputs = example_input(meta)
     if inputs is None and fmt != "state_dict":
         raise UserError(
@@ -89,8 +177,6 @@ def export(path: str, out: str, fmt: str = "state_dict") -> float:
             f"task has no example_input(info, batch_size); add one, or export a "
             f"state_dict"
         )
-    out_dir = os.path.dirname(os.path.abspath(out))
-    os.makedirs(out_dir, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # torch.jit's deprecation notes are not the user's business
         expected = tasks.call(model, inputs) if inputs is not None else None
@@ -98,33 +184,42 @@ def export(path: str, out: str, fmt: str = "state_dict") -> float:
             torch.save(model.state_dict(), out)
             reloaded = _reload_state_dict(meta, out)
             if inputs is None:
-                difference = _difference(
+                found = difference(
                     list(model.state_dict().values()), list(reloaded.state_dict().values())
                 )
-                return _report(path, out, fmt, difference, "weights")
+                return report(path, out, fmt, found, "weights")
         elif fmt == "torchscript":
             torch.jit.save(torch.jit.trace(model, inputs), out)
             reloaded = torch.jit.load(out)
-        elif fmt == "exported":
+        else:
             torch.export.save(torch.export.export(model, (inputs,)), out)
             reloaded = torch.export.load(out).module()
-        else:
-            raise UserError(f"export error: unknown format '{fmt}'")
-        difference = _difference(tasks.call(reloaded, inputs), expected)
-    return _report(path, out, fmt, difference, "outputs")
+        found = difference(tasks.call(reloaded, inputs), expected)
+    return report(path, out, fmt, found, "outputs")
 
 
-def _report(path: str, out: str, fmt: str, difference: float, what: str) -> float:
-    if difference > TOLERANCE:
-        raise UserError(
+def report(path: str, out: str, fmt: str, found: float, what: str) -> float:
+    """The line that says the export matches, or (the file removed) the line that it does not."""
+    if not found <= TOLERANCE:  # NaN fails too
+        discard(out)
+        raise CheckFailed(
             f"export error: the exported model's {what} differ from the checkpoint's "
-            f"by {difference:.3g} (> {TOLERANCE}); {out} is not trustworthy"
+            f"by {found:.3g} (> {TOLERANCE}); {out} was removed"
         )
     print(
         f"exported {path} -> {out} ({fmt}); {what} match the checkpoint"
-        f"{' on a batch' if what == 'outputs' else ''} (max difference {difference:.2g})"
+        f"{' on a batch' if what == 'outputs' else ''} (max difference {found:.2g})"
     )
-    return difference
+    return found
+
+
+def discard(*paths: str) -> None:
+    """Remove files that failed their check: a file left behind would be taken for good."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def _reload_state_dict(meta: dict, out: str) -> nn.Module:

@@ -47,10 +47,16 @@ def optimizer_slots(cfg: Config) -> int:
     return 2  # Adam / AdamW: first and second moments
 
 
+def ema_copies(cfg: Config) -> int:
+    """Copies of the trainable parameters that train.ema keeps (sharded like them)."""
+    return 1 if cfg.train.ema.decay is not None else 0
+
+
 def state_bytes(model: nn.Module, cfg: Config, shards: int, rank: int = 0) -> dict[str, int]:
     """The bytes `run.state_bytes` measures after the first step, computed from shapes:
-    params, grads, optimizer and their total for `rank` of `shards`, and 'unsharded'."""
-    slots = optimizer_slots(cfg)
+    params, grads, optimizer (the EMA weights included) and their total for `rank` of `shards`,
+    and 'unsharded'."""
+    slots = optimizer_slots(cfg) + ema_copies(cfg)
     adam = cfg.optim.name in ("adam", "adamw")
     totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
     for p in model.parameters():
@@ -70,7 +76,7 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
     """Bytes of one checkpoint on disk: model state, optimizer state, their container overhead
     ("full" when `shards` is 1, DCP pieces from every rank holding a shard otherwise), and the
     per-rank metadata."""
-    slots = optimizer_slots(cfg)
+    slots = optimizer_slots(cfg) + ema_copies(cfg)  # the EMA weights: one tensor per parameter
     adam = cfg.optim.name in ("adam", "adamw")
     data_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -93,6 +99,17 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
 
     count += len(build_optimizer(model, cfg.optim).param_groups[0])
     return data_bytes + count * DCP_BYTES_PER_ITEM + meta
+
+
+def ema_lines(cfg: Config, ddp_bytes: int, fsdp_bytes: int) -> list[str]:
+    """What `dtrain plan` says of the EMA weights: their bytes per rank (those of the trainable
+    parameters, i.e. of the gradients), counted in the optimizer column."""
+    if not ema_copies(cfg):
+        return []
+    return [
+        f"  the optimizer column holds the EMA weights (train.ema): ddp {ddp_bytes} bytes, "
+        f"fsdp {fsdp_bytes} bytes per rank"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -464,6 +464,7 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     lines += [
         f"  state (params + grads + optimizer): ddp {ddp.state} bytes, fsdp {fsdp.state} bytes "
         f"(unsharded {p.state_bytes_unsharded}); the run logs these as state_bytes",
+        *footprint.ema_lines(c, ddp.grads, fsdp.grads),
         f"  a rank has {_size(p.device_bytes)} on {p.device}",
     ]
     if p.activation_note:

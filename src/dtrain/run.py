@@ -34,6 +34,7 @@ from dtrain import (
 )
 from dtrain.checkpoint.store import RunDirLock, Store, check_shared
 from dtrain.config import Config, dump, is_length_change
+from dtrain.ema import EmaWeights, monitored_metric
 from dtrain.errors import PeerFailure, UserError, first_line
 from dtrain.layout import Layout, Steps
 from dtrain.loop_state import TrainState
@@ -98,9 +99,11 @@ def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
     return cfg.run_dir
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state, and what the same
-    state would take unsharded (DDP holds all of it on every rank)."""
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (EMA weights count
+    as such), and what the same state would take unsharded (DDP holds all of it on every rank)."""
 
     def local_and_full(t: torch.Tensor) -> tuple[int, int]:
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -120,6 +123,10 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
                 local, full = local_and_full(value)
                 totals["optimizer"] += local
                 totals["unsharded"] += full
+    for average in ema.average if ema is not None else []:
+        local, full = local_and_full(average)
+        totals["optimizer"] += local
+        totals["unsharded"] += full
     totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
     return totals
 
@@ -249,7 +256,7 @@ def _check_task(
     )
     try:
         with parallel.autocast(cfg.train.precision, layout.is_fsdp, layout.device):
-            problem = tasks.check(task, model, batch, cfg.ckpt.monitor)
+            problem = tasks.check(task, model, batch, monitored_metric(cfg))
     except UserError as e:
         problem = str(e)
     problems = [p for p in dist.gather_objects(problem) if p]
@@ -280,6 +287,7 @@ def _train(
     if scaler is not None:
         parts["scaler"] = scaler
     state = TrainState()
+    ema = EmaWeights.build(cfg, model)  # None unless train.ema.decay is set
     checkpoints = checkpoint.Checkpointer(
         cfg=cfg,
         layout=layout,
@@ -289,6 +297,7 @@ def _train(
         state=state,
         parts=parts,
         model_info=models.model_info(cfg.model, pieces.datasets.info),
+        ema=ema,
     )
     resumed = checkpoints.resume()
     if resumed:
@@ -313,7 +322,7 @@ def _train(
     def first_step() -> dict[str, Any]:
         clock.mark("first step")
         log.info(clock.line())
-        return {**world, **_log_state_bytes(model, optimizer)}
+        return {**world, **_log_state_bytes(model, optimizer, ema)}
 
     callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
     if layout.env.slurm_job_id and dist.is_main():
@@ -450,8 +459,10 @@ def _set_torch_flags(cfg: Config) -> None:
     torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
 
 
-def _log_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    sizes = state_bytes(model, optimizer)
+def _log_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None
+) -> dict[str, int]:
+    sizes = state_bytes(model, optimizer, ema)
     mib = {k: v / 2**20 for k, v in sizes.items()}
     log.info(
         f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "

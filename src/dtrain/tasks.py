@@ -22,6 +22,8 @@ counted once over all ranks. Optional members, used where present:
   `dtrain plan`); `info` is what the datasets declare (e.g. `in_channels`, `image_size`).
 - `summarize(means)`: more validation figures derived from the means (`perplexity`, ...).
 - `tokens_per_sample`: tokens in a sample, for tokens/s and FLOP/s in the records.
+- `model_input(batch)`: what the model is called with for a batch (for `dtrain export --format
+  onnx`'s check on real data; built-in tasks need none).
 """
 
 from __future__ import annotations

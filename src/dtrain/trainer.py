@@ -23,6 +23,7 @@ from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config
 from dtrain.data import Datasets, Loaders, to_device
 from dtrain.early_stop import EarlyStop
+from dtrain.ema import SUFFIX, EmaWeights, overflowed
 from dtrain.errors import TrainingStopped
 from dtrain.layout import Layout
 from dtrain.loop_state import Pending, StepTimes, TrainState, Window
@@ -99,6 +100,10 @@ class Trainer:
         self._pending_record: dict[str, Any] = {}
         self._replaced = 0  # bad samples replaced by all ranks, as of the last agreement
         self.last_save_s: float | None = None
+        # The averaged weights (train.ema) live with the checkpointer, which saves and loads them.
+        self.ema: EmaWeights | None = checkpoints.ema
+        if self.ema is not None and not self.ema.loaded:  # from the starting weights
+            self.ema.reset()
 
     # -----------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -225,8 +230,13 @@ class Trainer:
             if self.scaler is None
             else torch.zeros((), dtype=torch.bool, device=self.device)
         )
+        # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
+        # at the next check, before any evaluation or save), else the steps that changed nothing.
+        ema_skip = skip if self.cfg.train.nan_policy == "skip" else None
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
+            if self.ema is not None:  # read before update() forgets it
+                ema_skip = overflowed(self.scaler, self.optimizer)
             self.scaler.update()
         elif self.masked_step:
             compat.masked_step(self.optimizer, skip.float())
@@ -234,6 +244,9 @@ class Trainer:
             self.optimizer.step()
         # Freed now, not at the next step: evaluations and saves run without them.
         self.optimizer.zero_grad(set_to_none=True)
+        # After the gradients are freed: a masked update's temporaries take their place.
+        if self.ema is not None:
+            self.ema.update(self.state.step + 1, ema_skip)
         self.pending.add(step_loss, skip, norm)
         where.phase = "logging/callbacks"
         return StepTimes(data_wait, time.perf_counter() - started, exchange)
@@ -366,6 +379,9 @@ class Trainer:
         assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
         with self.where.doing("evaluation"):
             metrics = self.evaluate()
+            if self.ema is not None and self.ema.evaluates:
+                with self.ema.swapped():
+                    metrics.update({k + SUFFIX: v for k, v in self.evaluate().items()})
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}

@@ -59,6 +59,8 @@ from dtrain.parallel import unwrap
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from dtrain.ema import EmaWeights
+
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -113,10 +115,13 @@ class Checkpointer:
         state: TrainState,
         parts: Mapping[str, Stateful],
         model_info: dict[str, Any],
+        ema: EmaWeights | None = None,
     ) -> None:
         """`state` says where the run is (it names the checkpoints); `parts` are the other pieces
-        a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name."""
+        a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name;
+        `ema` the averaged weights (train.ema), saved beside the model's, sharded alike."""
         self.cfg, self.store, self.model, self.optimizer = cfg, store, model, optimizer
+        self.ema = ema
         self.state, self.parts = state, dict(parts)
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
         self.device = layout.device
@@ -196,6 +201,8 @@ class Checkpointer:
                 "model": get_model_state_dict(self.model),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             }
+        if self.ema is not None:
+            payload["ema"] = self.ema.state_dict(full=self.format == "full")
         self.last_saved_step = state.step
         if not ckpt.async_:
             self._write(name, tmp, payload, meta, marker, pending=None)
@@ -404,7 +411,7 @@ class Checkpointer:
             folder, fmt = open_checkpoint(path)
             if fmt == "full":  # verified against the marker's digest before it is applied
                 data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
-                meta = {k: v for k, v in data.items() if k not in ("model", "optimizer")}
+                meta = {k: v for k, v in data.items() if k not in ("model", "optimizer", "ema")}
                 self._check_shapes(folder, {k: tuple(v.shape) for k, v in data["model"].items()})
                 self._full_data = data  # kept on rank 0 only; the others receive what they need
             else:
@@ -415,10 +422,14 @@ class Checkpointer:
         try:
             folder, fmt, meta = dist.on_main(read)
             self._check_config(meta, folder)
+            # The average is read with the rest and taken only after the rest was applied.
+            ema = self.ema.staging(folder, fmt, self._full_data, self.device) if self.ema else None
             if fmt == "full":
                 apply_full(self.model, self.optimizer, self._full_data, folder)
             else:
-                apply_sharded(self.model, self.optimizer, folder)
+                apply_sharded(self.model, self.optimizer, folder, ema)
+            if self.ema is not None:
+                self.ema.apply(ema)
         finally:
             self._full_data = None
         self._restore_meta(meta, folder)

@@ -3,7 +3,9 @@ sharded one so that nothing is changed unless every part was read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,13 +50,21 @@ def apply_full(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
     try:
         set_model_state_dict(model, data["model"], options=options)
-        set_optimizer_state_dict(model, optimizer, data["optimizer"], options=options)
+        with _own_implementation(optimizer):
+            set_optimizer_state_dict(model, optimizer, data["optimizer"], options=options)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
         raise UserError(f"checkpoint error: {folder}: {first_line(e)}") from None
 
 
-def apply_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
-    """Read every shard into new tensors first; apply them only when all were read."""
+def apply_sharded(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: str,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Read every shard into new tensors first; apply them only when all were read. `extra`
+    (tensors by part name, e.g. the EMA weights) is filled by the same read, for the caller to
+    apply."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -65,10 +75,25 @@ def apply_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: st
     staged = {
         "model": _empty_like(get_model_state_dict(model)),
         "optimizer": _empty_like(get_optimizer_state_dict(model, optimizer)),
+        **(extra or {}),
     }
     ckpt_state.read_sharded(folder, staged)
     set_model_state_dict(model, staged["model"])
-    set_optimizer_state_dict(model, optimizer, staged["optimizer"])
+    with _own_implementation(optimizer):
+        set_optimizer_state_dict(model, optimizer, staged["optimizer"])
+
+
+# How the optimizer computes its step, not what it learned: chosen for this run's placement (a
+# sharded run's SGD cannot be fused, a single process's can), so the checkpoint's do not apply.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+@contextlib.contextmanager
+def _own_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    kept = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    yield
+    for group, flags in zip(optimizer.param_groups, kept, strict=True):
+        group.update(flags)
 
 
 def _empty_like(obj: Any) -> Any:

@@ -159,8 +159,9 @@ def _dcp_reason(error: BaseException) -> str:
     return f"{type(inner).__name__}: {first_line(inner)}"
 
 
-def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    """The model's keys and shapes as DCP's metadata lists them (read through the allow-list)."""
+def dcp_model_shapes(folder: str, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """The model's keys and shapes as DCP's metadata lists them (read through the allow-list);
+    another `prefix` gives another part's tensors (`ema.`: the averaged weights)."""
     try:
         metadata = safe_reader(folder, digest.expected_digests(folder)).read_metadata()
     except digest.Damaged:
@@ -171,8 +172,8 @@ def dcp_model_shapes(folder: str) -> dict[str, tuple[int, ...]]:
         ) from None
     shapes = {}
     for key, item in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(item, "size"):
-            shapes[key[len("model.") :]] = tuple(item.size)
+        if key.startswith(prefix) and hasattr(item, "size"):
+            shapes[key[len(prefix) :]] = tuple(item.size)
     return shapes
 
 

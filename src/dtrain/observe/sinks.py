@@ -113,7 +113,8 @@ def drop_records_after(path: str, step: int, superseded: str | None = None) -> N
 
 class TensorBoardSink:
     """TensorBoard event files in `log_dir`: train/<figure>, val/<metric>, the records' scalars
-    under their own tags, and the HParams tab at the end, all in one event file per attempt."""
+    under their own tags, and the HParams tab (a row from the first record on, its columns at
+    the end), all in one event file per attempt."""
 
     TRAIN_FIGURES = (
         "loss",
