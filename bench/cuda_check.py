@@ -160,7 +160,9 @@ def sync_free(out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "cuda_check"))
+    parser.add_argument("--only", default="1,2,3,4", help="the parts to run, e.g. 2,3")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     import torch
 
     if not torch.cuda.is_available():
@@ -171,10 +173,15 @@ def main() -> int:
     print(f"cuda_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
     started = time.perf_counter()
-    part("1. DDP and FSDP, bf16 on NCCL", lambda: nccl_modes(out))
-    part("2. CNN, channels_last + bf16, against the plain loop", lambda: images_vs_plain(out))
-    part("3. language model: tokens/s, MFU, peak memory against plan", lambda: language_models(out))
-    part("4. host-device synchronisations in steady steps", lambda: sync_free(out))
+    parts = {
+        "1": ("DDP and FSDP, bf16 on NCCL", nccl_modes),
+        "2": ("CNN, channels_last + bf16, against the plain loop", images_vs_plain),
+        "3": ("language model: tokens/s, MFU, peak memory against plan", language_models),
+        "4": ("host-device synchronisations in steady steps", sync_free),
+    }
+    for number, (title, check) in parts.items():
+        if number in only:
+            part(f"{number}. {title}", lambda check=check: check(out))
     print(f"cuda_check: done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

@@ -219,12 +219,24 @@ def test_a_damaged_marker_is_moved_aside_never_deleted(full_run, tmp_path) -> No
     assert result.losses() == full_run.losses()
 
 
+def test_verify_checks_every_run_of_a_folder_of_runs(full_run, damaged_full, tmp_path) -> None:
+    """A sweep folder or a run.out_dir: every run's checkpoints, one line each."""
+    shutil.copytree(full_run.run_dir, tmp_path / "sweep" / "a")
+    shutil.copytree(damaged_full, tmp_path / "sweep" / "b")
+    found = verify(str(tmp_path / "sweep"))
+    assert found.returncode == 1, found.stdout
+    lines = found.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:4]] == ["intact", "intact", "intact", "damaged"]
+    assert f"{tmp_path / 'sweep' / 'b' / 'checkpoints'}" in lines[3]
+    assert lines[-1] == "4 checkpoints: 3 intact, 1 damaged, 0 unverified"
+
+
 def test_verify_usage_errors_exit_2(tmp_path) -> None:
     assert dtrain("verify", "--help").returncode == 0
     missing = verify(str(tmp_path / "nope"))
     assert missing.returncode == 2 and "not found" in missing.stderr, missing.stderr
     assert verify().returncode == 2
-    assert verify(str(tmp_path)).returncode == 2  # neither a checkpoint nor a run directory
+    assert verify(str(tmp_path)).returncode == 2  # not a checkpoint, a run or a folder of runs
 
 
 def test_verify_imports_no_torch(full_run) -> None:

@@ -237,7 +237,8 @@ def _files(n: int) -> str:
 
 def checkpoints_of(path: str) -> tuple[list[str], bool]:
     """The checkpoint folders that `path` names (a run directory, its `checkpoints/` folder, a
-    checkpoint folder or its checkpoint.pt) and whether it named one checkpoint."""
+    folder of runs such as a sweep or a run.out_dir, a checkpoint folder or its checkpoint.pt)
+    and whether it named one checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"verify error: {path} not found")
     if os.path.isfile(path):
@@ -249,19 +250,27 @@ def checkpoints_of(path: str) -> tuple[list[str], bool]:
     if os.path.exists(os.path.join(path, MARKER)):
         return [path], True
     folder = os.path.join(path, CHECKPOINTS)
-    if not os.path.isdir(folder):
-        if os.path.basename(os.path.normpath(path)) != CHECKPOINTS:
-            raise UserError(
-                f"verify error: {path} is neither a checkpoint (no {MARKER} marker) nor a "
-                f"run directory (no {CHECKPOINTS}/ folder)"
-            )
+    if os.path.basename(os.path.normpath(path)) == CHECKPOINTS:
         folder = path
-    names = sorted(
+    elif not os.path.isdir(folder):
+        runs = [os.path.join(path, n, CHECKPOINTS) for n in _subfolders(path)]
+        runs = [r for r in runs if os.path.isdir(r)]
+        if not runs:
+            raise UserError(
+                f"verify error: {path} is neither a checkpoint (no {MARKER} marker), a run "
+                f"directory (no {CHECKPOINTS}/ folder) nor a folder of runs"
+            )
+        return [os.path.join(r, n) for r in runs for n in _subfolders(r)], False
+    return [os.path.join(folder, n) for n in _subfolders(folder)], False
+
+
+def _subfolders(path: str) -> list[str]:
+    """Sub-folders by name, without hidden ones (`.tmp-` folders of saves in progress)."""
+    return sorted(
         n
-        for n in os.listdir(folder)
-        if not n.startswith(".") and os.path.isdir(os.path.join(folder, n))
+        for n in os.listdir(path)
+        if not n.startswith(".") and os.path.isdir(os.path.join(path, n))
     )
-    return [os.path.join(folder, n) for n in names], False
 
 
 def run(path: str, threads: int = 4) -> int:
