@@ -39,6 +39,31 @@ def rows(folder: Path) -> dict[str, dict[str, str]]:
         return {row["name"]: row for row in csv.DictReader(f)}
 
 
+def compared(folder: Path, trials: list[dict]) -> list[dict]:
+    """`dtrain runs FOLDER --format json` on a sweep the command made: one row per trial with its
+    swept values, and the best monitored value (and its first step) that the run recorded."""
+    import json
+
+    proc = dtrain("runs", str(folder), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads(proc.stdout)
+    assert sorted(r["name"] for r in table) == sorted(t["name"] for t in trials)
+    for row in table:
+        trial = next(t for t in trials if t["name"] == row["name"])
+        assert {k: row[k] for k in trial["overrides"]} == trial["overrides"]
+        assert row["run_dir"] == trial["run_dir"] and row["status"] == "finished"
+        records = [json.loads(line) for line in
+                   (Path(trial["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        values = [(r[row["monitor"]], r["step"]) for r in records if row["monitor"] in r]
+        best = (max if row["monitor_mode"] == "max" else min)(v for v, _ in values)
+        assert row["best"] == best
+        assert row["best_step"] == next(step for v, step in values if v == best)
+        assert row["step"] == max(r["step"] for r in records)
+    signs = [r["best"] if r["monitor_mode"] == "max" else -r["best"] for r in table]
+    assert signs == sorted(signs, reverse=True)  # best first
+    return table
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     return Result(0, "", "", run_dir).losses()
 
@@ -212,6 +237,7 @@ def test_local_grid_runs_each_trial_as_the_same_run_launched_directly(grid, tmp_
     assert trial == direct.losses()  # bitwise: the same process, the same config
     assert without_place(folder / NAMES[3]) == without_place(direct.run_dir)
     assert losses(folder / NAMES[0]) != trial  # the trials do differ
+    compared(folder, data["trials"])
 
 
 @pytest.mark.slow
@@ -419,6 +445,8 @@ def test_slurm_array_sweep_with_one_preempted_task_resumed_bitwise(tmp_path: Pat
     records = rows(folder)
     assert {n: records[n]["status"] for n in names} == dict.fromkeys(names, "finished")
     assert records[names[0]]["attempts"] == "2"
+    assert [records[n]["slurm_job"] for n in names] == [f"{array}_{i}" for i in range(4)]
+    compared(folder, data["trials"])
     # every step once, across both attempts; the numbers are those of an uninterrupted run
     assert train_steps(folder / names[0]) == list(range(1, steps + 1))
     direct = launch(tmp_path / "direct" / "run", [
