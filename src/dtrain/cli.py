@@ -342,9 +342,10 @@ def _print_error(message: str, every_rank: bool = False) -> None:
     elif every_rank:
         print(f"dtrain: [rank {rank}] {message}", file=sys.stderr, flush=True)
     else:
-        # torchrun stops the other workers as soon as one fails: leave rank 0 the moment it
-        # needs to print the line (and to be the root cause torchrun reports).
-        time.sleep(1.0)
+        # torchrun stops the other workers as soon as one fails: leave rank 0 the time it
+        # needs to print the line (and to be the root cause torchrun reports). It stops its
+        # loader workers first, which took over a second on a loaded machine.
+        time.sleep(3.0)
 
 
 def _exit_code(stop: SystemExit) -> int:

@@ -15,6 +15,7 @@ from dtrain import compat, rng
 from dtrain.config import DataConfig
 from dtrain.data.sampler import EvalSampler, Prefix, ResumableSampler
 from dtrain.errors import UserError
+from dtrain.observe.logs import log
 
 
 class SizedDataset(Protocol):
@@ -121,10 +122,16 @@ def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
 
 def close_loaders(loaders: Loaders | None) -> None:
     """Stop the persistent worker processes of the loaders now: the launcher leaves with
-    os._exit, which skips the interpreter's clean-up that would otherwise stop them."""
-    if loaders is not None:
-        compat.shutdown_workers(loaders.train)
-        compat.shutdown_workers(loaders.val)
+    os._exit, which skips the interpreter's clean-up that would otherwise stop them. A worker
+    that a signal already ended (torchrun stopping every worker after another rank failed) makes
+    the loader raise while it is stopped: that must not replace the error the run ends with."""
+    if loaders is None:
+        return
+    for loader in (loaders.train, loaders.val):
+        try:
+            compat.shutdown_workers(loader)
+        except RuntimeError as e:  # "DataLoader worker (pid N) is killed by signal: ..."
+            log.debug(f"stopping the loader workers: {e}")
 
 
 class _LoaderOptions(TypedDict):
