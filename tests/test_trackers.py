@@ -70,14 +70,18 @@ def test_mlflow_run_killed_and_resumed_is_one_run_with_each_step_once(tmp_path: 
     from mlflow.tracking import MlflowClient
 
     run_dir = tmp_path / "runs" / "killed"
-    # Steps that sleep (the GIL free) so that MLflow, starting beside the training, catches up.
-    overrides = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.1}",
+    overrides = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.02}",
                  "train.epochs=4", "ckpt.every_steps=4", "log.mlflow.enabled=true"]
     env = tracker_env(tmp_path)
-    proc = start(run_dir, overrides, nproc=2, env=env)
-    # Killed once MLflow holds steps past the checkpoint: the resumed run replays them.
+    # Training waits in step 7 (after the step-4 checkpoint) until MLflow, however slow to start
+    # on a loaded machine, holds steps past the checkpoint; killed then, the resumed run replays them.
+    hold = tmp_path / "hold"
+    hold.touch()
+    proc = start(run_dir, overrides, nproc=2,
+                 env={**env, "PAUSE_TRAIN_FILE": str(hold), "PAUSE_TRAIN_AFTER": "6"})
     kill_when(proc, lambda: 4 <= saved_step(run_dir) < sent(run_dir, "mlflow").get("sent", {})
               .get("loss", 0))
+    hold.unlink()
     killed_at, sent_at_kill = saved_step(run_dir), sent(run_dir, "mlflow")
     assert sent_at_kill["sent"]["loss"] > killed_at
     resumed = launch(run_dir, overrides, nproc=2, env=env)

@@ -19,23 +19,33 @@ from dtrain.models import SimpleCNN
 class SlowCNN(SimpleCNN):
     """SimpleCNN that sleeps in every training forward (to make a run long enough to kill), and
     whose state_dict() waits while the file named by $PAUSE_SAVE_FILE exists (a save in progress
-    that a test can kill)."""
+    that a test can kill). With $PAUSE_TRAIN_FILE and $PAUSE_TRAIN_AFTER=N, the training forwards
+    after the N-th wait while that file exists (a run held at a known step, however slow the
+    machine, until a test has seen what it waits for)."""
 
     def __init__(self, sleep_s: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.sleep_s = sleep_s
+        self.training_forwards = 0
         self.register_state_dict_post_hook(_pause_while_flagged)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.sleep_s:
-            time.sleep(self.sleep_s)
+        if self.training:
+            self.training_forwards += 1
+            if self.training_forwards > int(os.environ.get("PAUSE_TRAIN_AFTER", "0")):
+                _wait_while(os.environ.get("PAUSE_TRAIN_FILE"))
+            if self.sleep_s:
+                time.sleep(self.sleep_s)
         return super().forward(x)
 
 
-def _pause_while_flagged(module, state_dict, prefix, local_metadata) -> None:
-    flag = os.environ.get("PAUSE_SAVE_FILE")
+def _wait_while(flag: str | None) -> None:
     while flag and os.path.exists(flag):
         time.sleep(0.05)
+
+
+def _pause_while_flagged(module, state_dict, prefix, local_metadata) -> None:
+    _wait_while(os.environ.get("PAUSE_SAVE_FILE"))
 
 
 def slow_cnn(cfg) -> nn.Module:

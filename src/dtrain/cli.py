@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -333,7 +334,7 @@ def parse(argv: list[str]) -> tuple[Handler, argparse.Namespace]:
     return handler, parser.parse_intermixed_args(argv[end:])
 
 
-def _print_error(message: str, every_rank: bool = False) -> None:
+def _print_error(message: str, exit_code: int, every_rank: bool = False) -> None:
     """One line on stderr. Under torchrun every rank meets the same config error, so only rank
     0 prints it; a lost peer is seen differently by each rank, so each says what it saw."""
     rank = os.environ.get("RANK", "0")
@@ -344,7 +345,9 @@ def _print_error(message: str, every_rank: bool = False) -> None:
     else:
         # torchrun stops the other workers as soon as one fails: leave rank 0 the time it
         # needs to print the line (and to be the root cause torchrun reports). It stops its
-        # loader workers first, which took over a second on a loaded machine.
+        # loader workers first, which took over a second on a loaded machine. A SIGTERM from
+        # torchrun meanwhile ends this rank with the error's own code, not as killed (-15).
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(exit_code))
         time.sleep(3.0)
 
 
@@ -363,10 +366,10 @@ def _run(handler: Handler, args: argparse.Namespace) -> int:
     try:
         return handler(args)
     except (UserError, TrainingStopped, CheckpointError) as e:
-        _print_error(str(e))
+        _print_error(str(e), e.exit_code)
         return e.exit_code
     except PeerFailure as e:
-        _print_error(str(e), every_rank=True)
+        _print_error(str(e), e.exit_code, every_rank=True)
         return e.exit_code
 
 
