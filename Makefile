@@ -31,7 +31,9 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src
 	$(PY) -m mypy
 
+# The peers it compares dtrain with (Lightning, Accelerate) are the `bench` extra, pinned too.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/run_all.py
 
 clean:

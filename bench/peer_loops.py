@@ -4,12 +4,21 @@ under torchrun. Every one gets the same data loader (DistributedSampler's order,
 replaced), model, optimizer and seed as the plain loop, so that the first losses agree; writes
 the same result.json as bench/plain_loop.py.
 
+`--framework dtrain` trains the same job with dtrain itself (its own config keys for it), with the
+same clock on its `step_end` hook, so that all of them are timed alike: the wall clock
+(`step_ends`, perf_counter), this process's CPU time (`cpu_ends`, process_time: all its threads,
+gloo's included) and the training thread's (`thread_ends`, thread_time) at every step's end.
+Only the first steps' losses are read (an all-reduce each): the timed steps do no more than the
+training itself.
+
     torchrun --nproc_per_node=2 bench/peer_loops.py --framework fabric --steps 200 --out /tmp/x
 """
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,10 +30,13 @@ import job  # noqa: E402
 
 
 class Clock:
-    """Step ends and the first step's end, as the plain loop records them."""
+    """Step ends (wall and this process's CPU time) and the first step's end, as the plain loop
+    records them."""
 
     def __init__(self) -> None:
         self.step_ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.thread_ends: list[float] = []
         self.first_step_end = None
         self.losses: list[float] = []
 
@@ -33,9 +45,18 @@ class Clock:
             value = loss.detach().clone()
             dist.all_reduce(value)
             self.losses.append(value.item() / dist.get_world_size())
+        self.end()
+
+    def end(self) -> None:
         self.step_ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
+        self.thread_ends.append(time.thread_time())
         if self.first_step_end is None:
             self.first_step_end = time.time()
+
+    def figures(self) -> dict:
+        return {"losses": self.losses, "step_ends": self.step_ends, "cpu_ends": self.cpu_ends,
+                "thread_ends": self.thread_ends, "first_step_end": self.first_step_end}
 
 
 FIRST_LOSSES = 5
@@ -69,8 +90,7 @@ def fabric_loop(args) -> None:
         optimizer.step()
         clock.step(loss, step < FIRST_LOSSES)
     if fabric.global_rank == 0:
-        job.write_result(args, model.module, losses=clock.losses, step_ends=clock.step_ends,
-                         first_step_end=clock.first_step_end)
+        job.write_result(args, model.module, **clock.figures())
 
 
 def accelerate_loop(args) -> None:
@@ -88,8 +108,7 @@ def accelerate_loop(args) -> None:
         optimizer.step()
         clock.step(loss, step < FIRST_LOSSES)
     if accelerator.is_main_process:
-        job.write_result(args, accelerator.unwrap_model(model), losses=clock.losses,
-                         step_ends=clock.step_ends, first_step_end=clock.first_step_end)
+        job.write_result(args, accelerator.unwrap_model(model), **clock.figures())
 
 
 def trainer_loop(args) -> None:
@@ -121,11 +140,52 @@ def trainer_loop(args) -> None:
                         enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(module, loader)  # the sampler's epochs follow the trainer's (set_epoch)
     if trainer.global_rank == 0:
-        job.write_result(args, module.net, losses=clock.losses, step_ends=clock.step_ends,
-                         first_step_end=clock.first_step_end)
+        job.write_result(args, module.net, **clock.figures())
 
 
-LOOPS = {"fabric": fabric_loop, "accelerate": accelerate_loop, "lightning": trainer_loop}
+def dtrain_loop(args) -> None:
+    """The job as a dtrain config: its records and checks only where the job's last step ends
+    (train.log_every and train.check_every_steps at the run's length), so that no step in
+    between reads the device or meets the other ranks, as in the other loops' timed steps."""
+    from dtrain import cli, trainer
+
+    clock = Clock()
+    fit = trainer.Trainer.fit
+
+    def timed_fit(self) -> str:
+        self.callbacks.step_end.append(clock.end)  # after each optimizer step and its bookkeeping
+        return fit(self)
+
+    trainer.Trainer.fit = timed_fit
+    code = cli.main(["train", f"run.out_dir={args.out}", "run.name=run", "model.name=simple_cnn",
+                     f"model.args={{width: {args.width}}}", "data.name=synthetic",
+                     f"data.synthetic.train_size={args.train_size}", "data.synthetic.val_size=64",
+                     f"data.batch_size={args.batch}",
+                     "data.num_workers=0", f"run.seed={args.seed}", f"optim.lr={args.lr}",
+                     f"optim.momentum={args.momentum}", f"optim.weight_decay={args.weight_decay}",
+                     "sched.name=none", "train.epochs=1", f"train.max_steps={args.steps}",
+                     f"train.log_every={args.steps}", f"train.check_every_steps={args.steps}",
+                     "train.eval_every_epochs=0", "ckpt.every_epochs=0", "log.progress=lines",
+                     "log.every_s=100000"])
+    if code == 0 and int(os.environ.get("RANK", "0")) == 0:
+        run_dir = Path(args.out) / "run"
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        weights = torch.load(run_dir / "checkpoints" / latest / "checkpoint.pt",
+                             weights_only=True)["model"]
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(weights, os.path.join(args.out, "weights.pt"))
+        figures = clock.figures()
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        figures["losses"] = [r["loss"] for r in records if "loss" in r and "val_loss" not in r]
+        (Path(args.out) / "result.json").write_text(json.dumps(figures))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as dtrain's own entry point ends (cli.entry)
+
+
+LOOPS = {"fabric": fabric_loop, "accelerate": accelerate_loop, "lightning": trainer_loop,
+         "dtrain": dtrain_loop}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ Hugging Face Accelerate, alternated over rounds.
   from each program's own clock (dtrain: its records every 50 steps; the others: their step ends).
 - Start-up: from launching `torchrun` to the end of the first step (a 2-step run of each).
 - First losses (mean over ranks, steps 1-5): the same for all five when they train the same thing.
+- Per-step cost where the frameworks' own work shows: a tiny model (SimpleCNN width 2, batch 8 per
+  rank: a step of a few milliseconds), the same fused SGD for all, no loss read in the timed steps
+  of any of them (dtrain records and checks only at its last step), timed by the same clock at
+  every step's end inside each rank (bench/peer_loops.py): wall time, this process's CPU time
+  (process_time) and its training thread's (thread_time) per step over steps 100 to 998, rank 0,
+  medians of at least 5 alternated rounds. Their final weights must agree: the same work.
 
 The peers are the optional `bench` extra (`pip install -e '.[bench]'`); without them the
 benchmark says so and compares dtrain with the plain loop only.
@@ -25,6 +31,7 @@ import common  # noqa: E402
 from common import Figure  # noqa: E402
 
 NPROC, STEPS, WINDOW, BATCH, WIDTH = 2, 200, 50, 64, 16
+TINY_WIDTH, TINY_BATCH, TINY_STEPS, TINY_FROM, TINY_ROUNDS = 2, 8, 1000, 100, 5
 PEERS = {"lightning": "lightning", "fabric": "lightning", "accelerate": "accelerate"}
 PEER_LOOPS = str(common.REPO / "bench" / "peer_loops.py")
 
@@ -74,10 +81,75 @@ def first_losses(work: Path, kind: str) -> list[float]:
     return _other(work, kind, "losses", 5)["losses"][:5]
 
 
-def run(work: Path, rounds: int = 3) -> list[Figure]:
-    kinds = ["dtrain", "plain"]
+CLOCKS = {"wall": "step_ends", "CPU": "cpu_ends", "thread CPU": "thread_ends"}
+
+
+def tiny_step(work: Path, kind: str, tag: str) -> tuple[dict[str, float], Path]:
+    """Seconds per step of rank 0 over the timed steps (after TINY_FROM, before the last:
+    dtrain's one check and record are at the last step) by each clock, and where the weights
+    are."""
+    out = work / f"tiny-{kind}-{tag}"
+    script = [common.PLAIN, "--loss-steps", "5"] if kind == "plain" else [
+        PEER_LOOPS, "--framework", kind]
+    common.run([*common.launcher(NPROC), *script, f"--steps={TINY_STEPS}", f"--batch={TINY_BATCH}",
+                f"--width={TINY_WIDTH}", f"--train-size={TINY_STEPS * TINY_BATCH * NPROC}",
+                f"--out={out}"])
+    result = json.loads((out / "result.json").read_text())
+    first, last, count = TINY_FROM - 1, TINY_STEPS - 2, TINY_STEPS - 1 - TINY_FROM
+    return ({clock: (result[key][last] - result[key][first]) / count
+             for clock, key in CLOCKS.items()}, out / "weights.pt")
+
+
+def per_step_cost(work: Path, kinds: list[str], rounds: int) -> list[Figure]:
+    """The tiny model's step, alternated over rounds: each framework's time per step by each
+    clock, its cost over the plain loop (median of the per-round differences), and whether the
+    weights agree."""
+    import torch
+    times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in CLOCKS}
+    weights: dict[str, Path] = {}
+    for i in range(rounds):
+        order = kinds if i % 2 == 0 else kinds[::-1]  # no framework always runs first
+        for kind in order:
+            per_clock, weights[kind] = tiny_step(work, kind, str(i))
+            for clock, value in per_clock.items():
+                times[clock][kind].append(value)
+    figures = []
+    for kind in kinds:
+        for clock in CLOCKS:
+            values = times[clock][kind]
+            over = [a - b for a, b in zip(values, times[clock]["plain"], strict=True)]
+            goal = "<= 0.2" if kind == "dtrain" and clock != "thread CPU" else ""
+            detail = (f"{common.median(values) * 1e3:.3f} ms per step "
+                      f"({min(values) * 1e3:.3f}-{max(values) * 1e3:.3f}); over plain per round "
+                      f"{', '.join(f'{d * 1e3:+.3f}' for d in over)}")
+            figures.append(Figure(f"per step, tiny model: {kind} {clock} - plain",
+                                  common.median(over) * 1e3, "ms", goal, detail))
+    for clock in ("wall", "CPU"):  # dtrain's cost against each peer's, by the same clock
+        cost = {k: common.median([a - b for a, b in zip(times[clock][k], times[clock]["plain"],
+                                                         strict=True)]) for k in kinds}
+        peers = [k for k in kinds if k not in ("dtrain", "plain")]
+        if peers:
+            lightest = min(peers, key=cost.__getitem__)
+            figures.append(Figure(
+                f"per step, tiny model: dtrain - lightest peer ({clock})",
+                (cost["dtrain"] - cost[lightest]) * 1e3, "ms", "< 0",
+                f"lightest peer {lightest} at {cost[lightest] * 1e3:+.3f} ms over plain"))
+    reference = torch.load(weights["plain"], weights_only=True)
+    differences = {k: common.max_weight_difference(
+        torch.load(weights[k], weights_only=True), reference) for k in kinds}
+    figures.append(Figure("per step, tiny model: final weights max |diff| vs plain",
+                          max(differences.values()), "", "<= 1e-6",
+                          "; ".join(f"{k} {v:.1e}" for k, v in differences.items())))
+    return figures
+
+
+def installed_kinds() -> tuple[list[str], list[str]]:
     missing = [name for name, module in PEERS.items() if importlib.util.find_spec(module) is None]
-    kinds += [name for name in PEERS if name not in missing]
+    return ["dtrain", "plain", *[name for name in PEERS if name not in missing]], missing
+
+
+def run(work: Path, rounds: int = 3) -> list[Figure]:
+    kinds, missing = installed_kinds()
     steps: dict[str, list[float]] = {k: [] for k in kinds}
     starts: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(rounds):
@@ -100,6 +172,7 @@ def run(work: Path, rounds: int = 3) -> list[Figure]:
     same = all(abs(a - b) <= 1e-5 for k in kinds for a, b in zip(losses[k], losses["plain"]))
     figures.append(Figure("peers: first losses agree", float(same), "", "",
                           "; ".join(f"{k} {', '.join(f'{v:.5f}' for v in losses[k][:3])}" for k in kinds)))
+    figures += per_step_cost(work, kinds, max(rounds, TINY_ROUNDS))
     if missing:
         figures.append(Figure("peers: not installed", len(missing), "", "",
                               f"{', '.join(missing)}: pip install -e '.[bench]' to compare them"))
@@ -107,4 +180,8 @@ def run(work: Path, rounds: int = 3) -> list[Figure]:
 
 
 if __name__ == "__main__":
-    common.run_standalone(run)
+    if sys.argv[1:2] == ["tiny"]:  # the per-step part alone: bench/peers.py tiny [rounds]
+        rounds = int(sys.argv[2]) if len(sys.argv) > 2 else TINY_ROUNDS
+        common.run_standalone(lambda work: per_step_cost(work, installed_kinds()[0], rounds))
+    else:
+        common.run_standalone(run)

@@ -4,8 +4,11 @@ It uses the same data and model code as dtrain's defaults but nothing of dtrain'
 DistributedSampler, DataLoader, DDP wrapper, SGD and cross-entropy. Run it alone or under
 torchrun; it writes the per-step losses (mean over ranks), step times and final weights, and for
 the benchmarks the clock at each step's end (`step_ends`, perf_counter: steady-state time per step
-including data loading) and the wall-clock time the first step ended (`first_step_end`, time.time:
-start-up as seen by whoever launched it).
+including data loading), the process's and the training thread's CPU time there (`cpu_ends`,
+process_time; `thread_ends`, thread_time) and the wall-clock time the first step ended
+(`first_step_end`, time.time: start-up as seen by whoever launched it). `--loss-steps K` reads
+the loss (an all-reduce and a wait) on the first K steps only, as the peers' loops do, so that
+the steps after them do nothing but train.
 
     python bench/plain_loop.py --steps 20 --out /tmp/plain
     torchrun --nproc_per_node=2 bench/plain_loop.py --steps 20 --out /tmp/plain
@@ -25,6 +28,10 @@ import job  # noqa: E402
 
 
 def main() -> None:
+    loss_steps = None
+    if "--loss-steps" in sys.argv:
+        loss_steps = int(sys.argv.pop(sys.argv.index("--loss-steps") + 1))
+        sys.argv.remove("--loss-steps")
     args = job.arguments(__doc__.splitlines()[0])
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
@@ -38,24 +45,28 @@ def main() -> None:
     plain = model.module if distributed else model
     optimizer = job.optimizer(plain, args)
 
-    losses, step_times, step_ends, step, epoch = [], [], [], 0, 0
+    losses, step_times, step_ends, cpu_ends, thread_ends = [], [], [], [], []
+    step, epoch = 0, 0
     first_step_end = None
     while step < args.steps:
         sampler.set_epoch(epoch)
+        model.train()  # once an epoch, as training loops do (a walk over every module)
         for x, y in loader:
             started = time.perf_counter()
             x = job.normalize(x)
-            model.train()
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
-            value = loss.detach().clone()
-            if distributed:
-                dist.all_reduce(value)
-            losses.append(value.item() / world)
+            if loss_steps is None or step < loss_steps:
+                value = loss.detach().clone()
+                if distributed:
+                    dist.all_reduce(value)
+                losses.append(value.item() / world)
             step_times.append(time.perf_counter() - started)
             step_ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
+            thread_ends.append(time.thread_time())
             if first_step_end is None:
                 first_step_end = time.time()
             step += 1
@@ -65,6 +76,7 @@ def main() -> None:
 
     if rank == 0:
         job.write_result(args, plain, losses=losses, step_times=step_times, step_ends=step_ends,
+                         cpu_ends=cpu_ends, thread_ends=thread_ends,
                          first_step_end=first_step_end)
     if distributed:
         dist.destroy_process_group()

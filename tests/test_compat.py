@@ -57,6 +57,23 @@ def test_a_masked_step_without_found_inf_is_an_ordinary_step() -> None:
     assert int(optimizer.state[param]["step"]) == 2
 
 
+def test_foreach_norms_and_the_nonfinite_flag_leave_every_bit() -> None:
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 2.0], [2.0, 4.0]])]
+    kept = [g.clone() for g in grads]
+    norms = compat.foreach_norms(grads)
+    assert [float(n) for n in norms] == [5.0, 5.0]
+    one = torch.ones(1)
+    found = torch.zeros(())
+    compat.flag_nonfinite(grads, found, one)
+    assert float(found) == 0.0 and all(torch.equal(g, k) for g, k in zip(grads, kept))
+    grads[1][0, 1] = float("nan")
+    compat.flag_nonfinite(grads, found, one)
+    assert float(found) == 1.0
+    found.zero_()
+    compat.flag_nonfinite([torch.tensor([1.0, float("-inf")])], found, one)
+    assert float(found) == 1.0
+
+
 # -- process group, loaders, timeouts ----------------------------------------------------------
 
 @pytest.fixture

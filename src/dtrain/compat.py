@@ -70,6 +70,19 @@ def masked_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
         del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm in one foreach call: the operation `get_total_norm(foreach=True)`
+    makes per group of tensors of one device and dtype."""
+    return list(torch._foreach_norm(tensors, 2.0))
+
+
+def flag_nonfinite(tensors: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
+    """Sets `found` (a float tensor) to 1 where any of `tensors` holds an inf or a nan, in one
+    fused pass: the grad scaler's check, here with a scale `one` of exactly 1.0, so that no
+    tensor changes a bit. The tensors must be dense, of one device and dtype."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+
+
 # ---------------------------------------------------------------------------------------------
 # Process group and loaders
 

@@ -69,25 +69,40 @@ class Agreed:
 
 
 class Pending:
-    """What the steps since the last agreement left on the device: their loss sum and count (of
-    finite steps), which were non-finite, the last gradient norm. Nothing here reads the device
-    until `agree`."""
+    """What the steps since the last agreement left on the device: each step's loss, whether it
+    was non-finite, and the last gradient norm. A step only keeps references to its tensors
+    (no device work, no read): `agree` reduces them all at once."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.loss = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count
-        self.skipped = torch.zeros(size, dtype=torch.bool, device=device)
+        self.losses: list[torch.Tensor] = []
+        self.skips: list[torch.Tensor] = []
         self.norm: torch.Tensor | None = None
-        self.steps = 0
 
-    def add(self, loss: torch.Tensor, skip: torch.Tensor, norm: torch.Tensor) -> None:
-        if self.steps == len(self.skipped):  # an agreement is due every `size` steps: never full
-            self.skipped = torch.cat([self.skipped, torch.zeros_like(self.skipped)])
-        finite = (~skip).double()
-        self.loss += torch.stack([torch.where(skip, 0.0, loss.double()), finite])
-        self.skipped[self.steps] = skip
-        self.norm = norm
-        self.steps += 1
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    def add(self, loss: torch.Tensor, skip: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """One step's loss, its non-finite flag (bool or float, non-zero: skipped) and its
+        gradient norm where it was computed (the last one computed is what a check reads)."""
+        self.losses.append(loss)
+        self.skips.append(skip)
+        if norm is not None:
+            self.norm = norm
+
+    def _skipped(self) -> torch.Tensor:
+        return torch.stack(self.skips).view(-1) != 0
+
+    def _loss_sum_count(self) -> torch.Tensor:
+        """The finite steps' loss sum (float64, in step order) and their count, on the device."""
+        if not self.losses:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        skipped = self._skipped()
+        losses = torch.where(skipped, 0.0, torch.stack(self.losses).view(-1).double())
+        # A running sum in step order (on the CPU, the rounding of adding step by step).
+        total = losses.cumsum(0)[-1:]
+        return torch.cat([total, (~skipped).double().sum().view(1)])
 
     def agree(self, stop_flag: bool, replaced: int, pace: tuple[float, float]) -> Agreed:
         """Sum what every rank has (losses, stop flags, replaced samples) in one all-reduce and
@@ -102,9 +117,14 @@ class Pending:
         host = torch.zeros(2 + 2 * world, dtype=torch.float64)
         host[0], host[1] = float(stop_flag), float(replaced)
         host[2 + rank], host[2 + world + rank] = pace
-        shared = torch.cat([self.loss, host.to(self.device)])
+        skipped = (
+            self._skipped().double()
+            if self.skips
+            else torch.zeros(0, dtype=torch.float64, device=self.device)
+        )
+        shared = torch.cat([self._loss_sum_count(), host.to(self.device)])
         dist.all_reduce_sum(shared)
-        values = torch.cat([shared, norm, self.skipped[: self.steps].double()]).tolist()
+        values = torch.cat([shared, norm, skipped]).tolist()
         loss_sum, loss_count, stop, replaced_total = values[:4]
         paces, values = values[4 : 4 + 2 * world], values[4 + 2 * world :]
         agreed = Agreed(
@@ -117,9 +137,8 @@ class Pending:
             step_s=paces[:world],
             data_wait=paces[world:],
         )
-        self.loss.zero_()
+        self.losses, self.skips = [], []
         self.norm = None
-        self.steps = 0
         return agreed
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from dtrain import compat, dist, parallel, signals
+from dtrain import compat, dist, grads, parallel, signals
 from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config
 from dtrain.data import Datasets, Loaders, to_device
@@ -88,7 +88,12 @@ class Trainer:
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
         # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
         self.masked_step = scaler is None and compat.masked_step_supported(optimizer)
-        self.pending = Pending(cfg.train.check_every_steps, self.device)
+        self.pending = Pending(self.device)
+        self.check_gradients = grads.Check(list(model.parameters()), optimizer, self.device)
+        self._fp32 = isinstance(
+            parallel.autocast(cfg.train.precision, layout.is_fsdp, self.device),
+            contextlib.nullcontext,
+        )
         self.window = Window()
         # What this rank is doing, for ranks left waiting on it; and which rank is slow.
         self.where = Whereabouts(self.state)
@@ -126,20 +131,22 @@ class Trainer:
             done_before = state.samples_in_epoch // self.samples_per_step
             last_done = done_before + steps_this_epoch
             self.run_log.progress.start_epoch(state.epoch, last_done)
+            self.model.train()
             batches = iter(self.loaders.train)
             epoch_finished = True
             for done in range(done_before + 1, last_done + 1):
                 self._sync_debug(state.step >= 2)
-                times = self._train_step(batches)
+                last_in_epoch = done == last_done
+                at_log_step = (state.step + 1) % cfg.train.log_every == 0
+                check = (state.step + 1) % cfg.train.check_every_steps == 0 or last_in_epoch
+                times = self._train_step(batches, wants_norm=at_log_step or check)
                 if not self._first_step_done:
                     self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
                     self._first_step_done = True
                 state.step += 1
                 state.samples_in_epoch += self.samples_per_step
                 self.window.add(times, self.samples_per_step)
-                last_in_epoch = done == last_done
-                at_log_step = state.step % cfg.train.log_every == 0
-                if at_log_step or state.step % cfg.train.check_every_steps == 0 or last_in_epoch:
+                if at_log_step or check:
                     self._agree()
                 self._log_step(done, at_log_step)
                 for hook in self.callbacks.step_end:
@@ -192,25 +199,31 @@ class Trainer:
         return "finished"
 
     # -----------------------------------------------------------------------------------------
-    def _train_step(self, batches: Iterator) -> StepTimes:
+    def _train_step(self, batches: Iterator, wants_norm: bool = True) -> StepTimes:
         """One optimizer step. Between checks it never waits for the device: the loss, whether
-        the step was non-finite, and the gradient norm stay on the device (`_Pending`)."""
-        model, where = self.model, self.where
+        the step was non-finite, and the gradient norm stay on the device (`Pending`). The norm
+        is computed where clipping needs it or `wants_norm` (a check follows, which reads it)."""
+        model, where, accum = self.model, self.where, self.accum
         started = time.perf_counter()
-        model.train()
+        # Training mode is set at each epoch's start; an evaluation between steps leaves the
+        # model in eval mode, which this restores (a walk over every module: not every step).
+        if not model.training:
+            model.train()
         self.schedule.apply(self.state.step)
-        step_loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        step_loss: torch.Tensor | None = None
         data_wait = exchange = 0.0
-        for micro in range(self.accum):
+        for micro in range(accum):
             where.phase = "data"
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
             where.phase = "forward/backward"
             batch = self._to_device(batch)
-            last = micro == self.accum - 1
+            last = micro == accum - 1
             with self._gradient_sync(last), self._autocast():
-                loss = self.task.loss(model, batch) / self.accum
+                loss = self.task.loss(model, batch)
+                if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
+                    loss = loss / accum
             backward_began = time.perf_counter()
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -218,28 +231,27 @@ class Trainer:
                 loss.backward()
             # The last backward exchanges the gradients: the ranks wait there for the slowest.
             exchange = time.perf_counter() - backward_began
-            step_loss += loss.detach()
+            # The first micro-batch's loss as it is (0 + x is x), the others added to it.
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        assert step_loss is not None  # grad_accum >= 1
         where.phase = "optimizer"
-        norm = self._grad_norm()
         # A step is non-finite when its gradients are (checked on every step, clipped or not;
-        # a non-finite loss makes them so). The norm is global (DDP averaged the gradients,
-        # FSDP's is reduced over the shards): every rank reaches the same verdict. Under fp16
-        # the grad scaler decides (an overflow lowers the scale) instead.
-        skip = (
-            ~torch.isfinite(norm)
-            if self.scaler is None
-            else torch.zeros((), dtype=torch.bool, device=self.device)
-        )
+        # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is
+        # reduced over the shards: every rank reaches the same verdict. Under fp16 the grad
+        # scaler decides (an overflow lowers the scale) instead.
+        skip, norm = self.check_gradients(wants_norm, self.cfg.train.clip_grad_norm, self.scaler)
         # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
         # at the next check, before any evaluation or save), else the steps that changed nothing.
-        ema_skip = skip if self.cfg.train.nan_policy == "skip" else None
+        ema_skip = None
+        if self.ema is not None and self.cfg.train.nan_policy == "skip":
+            ema_skip = (skip != 0).view(())
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             if self.ema is not None:  # read before update() forgets it
                 ema_skip = overflowed(self.scaler, self.optimizer)
             self.scaler.update()
         elif self.masked_step:
-            compat.masked_step(self.optimizer, skip.float())
+            compat.masked_step(self.optimizer, skip)
         elif not bool(skip):  # an optimizer without a masked step: one wait per step
             self.optimizer.step()
         # Freed now, not at the next step: evaluations and saves run without them.
@@ -307,7 +319,7 @@ class Trainer:
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
         if self.accum == 1:
-            return contextlib.nullcontext()
+            return _NOTHING
         if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
             cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
@@ -317,25 +329,9 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
+        if self._fp32:
+            return _NOTHING
         return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The global gradient norm of the whole (unsharded) model, as a tensor on the device;
-        clipped to train.clip_grad_norm when set. Under fp16 it is the norm of the unscaled
-        gradients (those the optimizer will apply)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.train.clip_grad_norm
-        if max_norm is not None:
-            norm = nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        else:
-            norm = nn.utils.get_total_norm(
-                [p.grad for p in params if p.grad is not None], foreach=True
-            )
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
-            norm = norm.full_tensor()
-        return norm
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -460,6 +456,10 @@ class Trainer:
         self.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
+
+
+# A context that does nothing, entered as often as wanted (nullcontext keeps no state).
+_NOTHING = contextlib.nullcontext()
 
 
 def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:

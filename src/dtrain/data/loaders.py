@@ -87,9 +87,7 @@ def to_device(
     """Every tensor of a batch (tensors, tuples, lists, namedtuples, dicts, nested) on `device`
     (asynchronously from pinned memory on CUDA), then what the data does on the device (images:
     uint8 to normalised float), then, with `channels_last`, 4-D float inputs in that format."""
-    batch = compat.tree_map_tensors(
-        lambda t: t.to(device, non_blocking=device.type == "cuda"), batch
-    )
+    batch = _moved(batch, device)
     if on_device is not None:
         batch = on_device(batch)
     if channels_last:
@@ -102,6 +100,21 @@ def to_device(
             batch,
         )
     return batch
+
+
+def _moved(batch: Any, device: torch.device) -> Any:
+    """`batch` with its tensors on `device`. The common batches (a tensor, a tuple, list or dict
+    of tensors) directly, with nothing to do for CPU tensors on the CPU; any other tree through
+    the general walk, which costs more than a tiny model's optimizer step."""
+    if device.type == "cpu":
+        if isinstance(batch, torch.Tensor) and batch.device.type == "cpu":
+            return batch
+        if type(batch) in (tuple, list) and all(
+            type(t) is torch.Tensor and t.device.type == "cpu" for t in batch
+        ):
+            return batch
+    non_blocking = device.type == "cuda"
+    return compat.tree_map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
