@@ -15,16 +15,14 @@ AdamW, fp32, 2 ranks on gloo, 3 steps.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cgroup  # noqa: E402
 import common  # noqa: E402
 from common import Figure  # noqa: E402
 
@@ -33,15 +31,15 @@ MODEL = ["model.name=transformer", "model.args={dim: 1024, depth: 12, heads: 16,
          "data.synthetic.val_size=16", "data.batch_size=2", "data.num_workers=0",
          "train.max_steps=3", "train.log_every=1", "train.eval_every_epochs=0",
          "ckpt.every_epochs=0", "log.tensorboard=false"]
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
 def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int, float]:
     """State bytes of rank 0, the largest rank's peak RSS, and rank 0's start-up seconds."""
     run_dir = work / "runs" / f"{mode}-{tag}"
-    peak = common.run_peak_rss(common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2),
-                               timing_malloc=False)
-    startup = re.search(r"\(([\d.]+) s since the process started\)", (run_dir / "log.txt").read_text())
+    cmd = common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2)
+    peak = common.run_peak_rss(cmd, timing_malloc=False)
+    log = (run_dir / "log.txt").read_text()
+    startup = re.search(r"\(([\d.]+) s since the process started\)", log)
     state = common.records(run_dir)[0]["state_bytes"]
     # Its final checkpoint (1.8 GB) would only weigh on the disk for the benchmarks after this one.
     shutil.rmtree(run_dir)
@@ -56,34 +54,18 @@ def planned(mode: str) -> tuple[int, int]:
     return memory.state, memory.total
 
 
-def under_limit(work: Path, mode: str, limit: int) -> Optional[tuple[int, int, int]]:
+def under_limit(work: Path, mode: str, limit: int) -> tuple[int, int, int] | None:
     """Run `mode` inside a memory cgroup of `limit` bytes: its exit code, how many of its
     processes the kernel killed for memory, and the job's peak usage (None: no cgroup here)."""
-    group = Path(CGROUP_ROOT) / f"dtrain-bench-{os.getpid()}-{mode}"
-    try:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-    except OSError:
+    if cgroup.available():
         return None
+    run_dir = work / "runs" / f"limited-{mode}"
+    cmd = common.dtrain_cmd(run_dir, [*MODEL, f"parallel.mode={mode}"], nproc=2)
     try:
-        cmd = common.dtrain_cmd(work / "runs" / f"limited-{mode}", [*MODEL, f"parallel.mode={mode}"],
-                                nproc=2)
-        # The wrapper joins the cgroup, then runs the job: every process of it is inside.
-        join = ("import os, subprocess, sys\n"
-                f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
-                "sys.exit(subprocess.call(sys.argv[1:]))\n")
-        proc = subprocess.run([sys.executable, "-c", join, *cmd], cwd=common.REPO,
-                              env=common.env(timing_malloc=False), capture_output=True, text=True,
-                              timeout=900)
-        shutil.rmtree(work / "runs" / f"limited-{mode}", ignore_errors=True)
-        oom = (group / "memory.oom_control").read_text()
-        kills = int(re.search(r"oom_kill (\d+)", oom).group(1)) if "oom_kill " in oom else -1
-        return proc.returncode, kills, int((group / "memory.max_usage_in_bytes").read_text())
+        result = cgroup.run(cmd, limit, common.env(timing_malloc=False), common.REPO, timeout=900)
     finally:
-        try:
-            group.rmdir()
-        except OSError:
-            pass
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result.returncode, result.oom_kills, result.peak_bytes
 
 
 def run(work: Path, rounds: int = 2) -> list[Figure]:
@@ -103,12 +85,14 @@ def run(work: Path, rounds: int = 2) -> list[Figure]:
         Figure("memory: state bytes per rank fsdp/ddp (151 M params)", state["fsdp"] / state["ddp"],
                "x", "<= 0.51", f"{state['fsdp'] / mib:.0f} vs {state['ddp'] / mib:.0f} MiB; dtrain "
                f"plan predicted {'exactly these' if matches else [plans[m][0] for m in plans]}"),
-        Figure("memory: peak RSS per rank fsdp/ddp (151 M params)", fsdp_rss / ddp_rss, "x", "<= 0.5",
-               f"{fsdp_rss / mib:.0f} vs {ddp_rss / mib:.0f} MiB, largest rank, medians of {rounds}; "
+        Figure("memory: peak RSS per rank fsdp/ddp (151 M params)", fsdp_rss / ddp_rss, "x",
+               "<= 0.5", f"{fsdp_rss / mib:.0f} vs {ddp_rss / mib:.0f} MiB, largest rank, "
+               f"medians of {rounds}; "
                f"plan's total per rank {plans['fsdp'][1] / mib:.0f} vs {plans['ddp'][1] / mib:.0f} "
                f"MiB (state, activations, buffers: without what torch itself takes)"),
-        Figure("memory: start-up to the end of the first step, fsdp", common.median(startups["fsdp"]),
-               "s", "", f"ddp {common.median(startups['ddp']):.1f} s (rank 0, from process start)"),
+        Figure("memory: start-up to the end of the first step, fsdp",
+               common.median(startups["fsdp"]), "s", "",
+               f"ddp {common.median(startups['ddp']):.1f} s (rank 0, from process start)"),
     ]
     # Both ranks together, plus the torchrun agent: a limit between what FSDP and DDP need.
     limit = int((2 * fsdp_rss + 2 * ddp_rss) / 2)

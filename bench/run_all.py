@@ -1,6 +1,7 @@
 """Run every benchmark and print its figures against the goals (`make bench`).
 
-    python bench/run_all.py                      # all of them, about 20 minutes on 2 cores
+    python bench/run_all.py                      # all of them, about an hour on 2 cores
+                                                 # (the memory frontier alone ~40 minutes)
     python bench/run_all.py --only overhead,startup --rounds 5
 
 Figures are measured, never pass/fail: the exit status is 0 unless a benchmark could not run.
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_io  # noqa: E402
 import exit_codes  # noqa: E402
+import frontier  # noqa: E402
 import headline  # noqa: E402
 import image_folder  # noqa: E402
 import input_pipeline  # noqa: E402
@@ -34,6 +36,7 @@ import tokens_data  # noqa: E402
 from common import Figure  # noqa: E402
 
 BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memory,
+              "frontier": frontier,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
               "tokenize": tokenize_speed, "tokens": tokens_data}
@@ -44,7 +47,8 @@ DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
 def _machine() -> str:
     import torch
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+    cpu = platform.processor() or platform.machine()
+    return (f"{platform.node()}: {os.cpu_count()} cores, {cpu}, "
             f"python {platform.python_version()}, torch {torch.__version__}, load average {load}")
 
 
@@ -53,12 +57,14 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(DEFAULT),
                         help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="alternated repetitions per comparison (default: each benchmark's own)")
+                        help="alternated repetitions per comparison "
+                        "(default: each benchmark's own)")
     args = parser.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; "
+                     f"choose from {', '.join(BENCHMARKS)}")
     print(f"dtrain benchmarks on {_machine()}", flush=True)
     figures: list[Figure] = []
     failed = []

@@ -1,4 +1,5 @@
-"""`dtrain plan` says before a run what the run then measures: state bytes, steps, checkpoint size."""
+"""`dtrain plan` says before a run what the run then measures: state bytes, steps, checkpoint
+size."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, dtrain, launch
+
 from dtrain import config, plan
 
 # Odd widths (33, 99 rows of the attention projection) make FSDP's shards uneven: rank 0 holds
@@ -77,7 +78,8 @@ def test_plan_accounts_for_optimizer_accumulation_and_overfit() -> None:
     assert adam.optimizer > 2 * adam.params  # two moments plus a step counter per tensor
     assert adam.activations == sgd.activations > 0
     bf16 = load("train.precision=bf16")
-    assert 0 < bf16.memory_for("fsdp", "bf16").activations < bf16.memory_for("fsdp", "fp32").activations
+    low, full = bf16.memory_for("fsdp", "bf16"), bf16.memory_for("fsdp", "fp32")
+    assert 0 < low.activations < full.activations
     # 512 samples, 2 ranks x 16: 16 batches per rank; accumulation of 4 makes 4 steps
     assert load().steps_per_epoch == 16 and load("train.grad_accum=4").steps_per_epoch == 4
     assert load("train.grad_accum=4").effective_batch == 16 * 2 * 4
@@ -100,7 +102,8 @@ def test_plan_command_prints_the_plan_and_warns_when_memory_is_short() -> None:
     huge = dtrain("plan", "model.name=transformer", "model.args={dim: 20480, depth: 2, heads: 16}",
                   "--nproc", "2")
     assert huge.returncode == 0, huge.stderr
-    assert re.search(r"WARNING: the estimate for this run, [\d.]+ GiB per rank, exceeds", huge.stdout)
+    warning = r"WARNING: the estimate for this run, [\d.]+ GiB per rank, exceeds"
+    assert re.search(warning, huge.stdout)
     # The layout errors of a real launch are the plan's errors too: one line, exit 2.
     bad = dtrain("plan", "parallel.mode=none", "--nproc", "2")
     assert bad.returncode == 2

@@ -62,10 +62,17 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from dtrain import plan
+    from dtrain import plan, plan_fit
+    from dtrain.errors import UserError
 
+    limit = plan_fit.parse_size(args.memory_limit) if args.memory_limit is not None else None
     cfg = config.load(args.config, args.overrides)
-    print(plan.report(cfg, nproc=args.nproc, nnodes=args.nnodes))
+    if limit is None and (args.grow or args.format == "json"):
+        raise UserError("plan error: --grow and --format json need --memory-limit (e.g. 6GiB)")
+    if limit is None:
+        print(plan.report(cfg, nproc=args.nproc, nnodes=args.nnodes))
+        return 0
+    print(plan_fit.render(cfg, args.nproc, args.nnodes, limit, args.grow or "", args.format))
     return 0
 
 
@@ -231,6 +238,20 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     _with_config(p)
     p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
     p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        help="memory for the whole job on one node (all ranks, the agent, the page cache): "
+        "6GiB, 6G, 512MiB or bytes; says what fits in DDP, FSDP and FSDP + activation "
+        "checkpointing",
+    )
+    p.add_argument(
+        "--grow",
+        metavar="KEY",
+        help="with --memory-limit: the largest value of this integer config key that fits "
+        "(e.g. model.args.depth)",
+    )
+    p.add_argument("--format", choices=("text", "json"), default="text")
     command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
     p = command(
         "eval",

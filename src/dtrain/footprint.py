@@ -186,34 +186,98 @@ def _trace_saved(
     return _Saved(outside, per_block, inputs[0])
 
 
-def activation_bytes(
-    meta_model: nn.Module, cfg: Config, example: Callable[[int], Any], low: torch.dtype
-) -> dict[str, int]:
-    """Saved-for-backward bytes of one micro-batch of `data.batch_size`, for 'fp32', 'autocast'
-    (DDP's mixed precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs
-    in `low`). Two traced forwards (2 and 4 samples) separate what grows with the batch from what
-    does not (autocast's copies of the weights); 2, not 1, because BatchNorm refuses one sample."""
+def traced_activations(
+    meta_model: nn.Module,
+    cfg: Config,
+    example: Callable[[int], Any],
+    weights: torch.dtype,
+    kinds: dict[str, torch.dtype | None],
+) -> dict[str, dict[str, int]]:
+    """Saved-for-backward bytes of one micro-batch of `data.batch_size` with `weights` for each
+    kind (name -> autocast dtype or None): without ("full") and with ("checkpointed")
+    activation checkpointing, and the largest block's own ("block"); one pair of traced
+    forwards gives all three. Two forwards (2 and 4 samples) separate what grows with the
+    batch from what does not (autocast's copies of the weights); 2, not 1, because BatchNorm
+    refuses one sample."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # shapes and dtypes only, no memory
 
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    checkpointing = cfg.model.activation_checkpointing
-    results = {}
-    for weights, kinds in ((torch.float32, ("fp32", "autocast")), (low, ("cast",))):
-        model = copy.deepcopy(meta_model).to(weights)
-        blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu").train()
-            for kind in kinds:
-                autocast = low if kind == "autocast" else None
-                two, four = (
-                    _trace_saved(model, blocks, _cast(example(n), weights), autocast).retained(
-                        checkpointing
-                    )
-                    for n in (2, 4)
-                )
-                per_sample = (four - two) / 2
-                results[kind] = int(two - 2 * per_sample + per_sample * cfg.data.batch_size)
+    model = copy.deepcopy(meta_model).to(weights)
+    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu").train()
+        return _retained(model, blocks, cfg, example, weights, kinds)
+
+
+def _retained(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: Config,
+    example: Callable[[int], Any],
+    weights: torch.dtype,
+    kinds: dict[str, torch.dtype | None],
+) -> dict[str, dict[str, int]]:
+    results: dict[str, dict[str, int]] = {}
+    for kind, autocast in kinds.items():
+        two, four = (
+            _trace_saved(model, blocks, _cast(example(n), weights), autocast) for n in (2, 4)
+        )
+
+        def at_batch(bytes_two: float, bytes_four: float) -> int:
+            per_sample = (bytes_four - bytes_two) / 2
+            return int(bytes_two - 2 * per_sample + per_sample * cfg.data.batch_size)
+
+        results[kind] = {
+            "full": at_batch(two.retained(False), four.retained(False)),
+            "checkpointed": at_batch(two.retained(True), four.retained(True)),
+            "block": at_batch(max(two.per_block, default=0), max(four.per_block, default=0)),
+        }
     return results
+
+
+def activation_bytes(
+    meta_model: nn.Module, cfg: Config, example: Callable[[int], Any], low: torch.dtype
+) -> dict[str, int]:
+    """Saved-for-backward bytes of one micro-batch, for 'fp32', 'autocast' (DDP's mixed
+    precision: fp32 weights, `low` compute) and 'cast' (FSDP's: weights and inputs in `low`),
+    with activation checkpointing as the config says."""
+    checkpointing = cfg.model.activation_checkpointing
+    full = traced_activations(
+        meta_model, cfg, example, torch.float32, {"fp32": None, "autocast": low}
+    )
+    cast = traced_activations(meta_model, cfg, example, low, {"cast": None})
+    key = "checkpointed" if checkpointing else "full"
+    return {kind: by[key] for kind, by in {**full, **cast}.items()}
+
+
+def activation_bytes_fp32(
+    meta_model: nn.Module, cfg: Config, example: Callable[[int], Any]
+) -> dict[str, int]:
+    """fp32 saved-for-backward bytes of one micro-batch: without ("full") and with
+    ("checkpointed") checkpointing, and the largest block's own ("block")."""
+    return traced_activations(meta_model, cfg, example, torch.float32, {"fp32": None})["fp32"]
+
+
+def parallel_buffers(
+    cfg: Config,
+    world: int,
+    shards: int,
+    trainable: int,
+    root: int,
+    largest_block: int,
+    itemsize: int,
+) -> dict[str, int]:
+    """Bytes per rank outside the state that the parallel wrapper holds at its peak. DDP: its
+    gradient buckets, a copy of the gradients unless they are views into them. FSDP: gathered
+    parameters (the root's, this block's and the prefetched next one's, in the compute
+    precision) and unsharded gradients (one block's before its reduce-scatter, all of them
+    while accumulating without synchronisation)."""
+    ddp = trainable if world > 1 and not cfg.parallel.ddp.gradient_as_bucket_view else 0
+    fsdp = 0
+    if shards > 1:
+        gathered = (root + 2 * largest_block) * itemsize // 4
+        fsdp = gathered + (trainable if cfg.train.grad_accum > 1 else largest_block)
+    return {"ddp": ddp, "fsdp": fsdp}
 
 
 def _cast(inputs: Any, dtype: torch.dtype) -> Any:

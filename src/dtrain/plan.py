@@ -320,18 +320,12 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
     memory = []
     for precision in ("fp32", low):
         itemsize = 4 if precision == "fp32" else 2
-        # DDP's gradient buckets: the gradients themselves when they are views into them
-        ddp_buffers = trainable if world > 1 and not cfg.parallel.ddp.gradient_as_bucket_view else 0
-        fsdp_buffers = 0
-        if shards > 1:
-            # gathered: the root's parameters, this block's and the prefetched next one's;
-            # unsharded gradients: one block's before its reduce-scatter, all of them while
-            # accumulating without synchronisation
-            gathered = (root_bytes + 2 * largest_block) * itemsize // 4
-            fsdp_buffers = gathered + (trainable if cfg.train.grad_accum > 1 else largest_block)
+        held = footprint.parallel_buffers(
+            cfg, world, shards, trainable, root_bytes, largest_block, itemsize
+        )
         for mode, state, buffers in (
-            ("ddp", ddp_state, ddp_buffers),
-            ("fsdp", fsdp_state, fsdp_buffers),
+            ("ddp", ddp_state, held["ddp"]),
+            ("fsdp", fsdp_state, held["fsdp"]),
         ):
             memory.append(
                 Memory(
