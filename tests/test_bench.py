@@ -17,8 +17,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "nothing"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # argparse's error: an unknown name, after every module imported
-    assert "unknown benchmark(s) nothing; choose from overhead, checkpoint, memory, startup, " \
-           "pipeline, images, peers, exit_codes" in proc.stderr
+    assert "unknown benchmark(s) nothing; choose from overhead, checkpoint, memory, frontier, " \
+           "startup, pipeline, images, peers, exit_codes" in proc.stderr
     import language_model  # run on its own (`make bench` leaves it out: ten minutes)
     assert callable(language_model.run)
     import bpe_vs_bytes  # run on its own too: ten minutes a side

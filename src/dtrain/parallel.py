@@ -32,8 +32,12 @@ def autocast(
     other mode autocasts."""
     dtype = PRECISION_DTYPES[precision]
     if dtype == torch.float32 or is_fsdp:
-        return contextlib.nullcontext()
+        return _NO_CAST
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# Entered at every step: one context that does nothing (a nullcontext keeps no state).
+_NO_CAST = contextlib.nullcontext()
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:

@@ -90,10 +90,6 @@ class Trainer:
         self.masked_step = scaler is None and compat.masked_step_supported(optimizer)
         self.pending = Pending(self.device)
         self.check_gradients = grads.Check(list(model.parameters()), optimizer, self.device)
-        self._fp32 = isinstance(
-            parallel.autocast(cfg.train.precision, layout.is_fsdp, self.device),
-            contextlib.nullcontext,
-        )
         self.window = Window()
         # What this rank is doing, for ranks left waiting on it; and which rank is slow.
         self.where = Whereabouts(self.state)
@@ -329,8 +325,6 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self._fp32:
-            return _NOTHING
         return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
 
     # -----------------------------------------------------------------------------------------
