@@ -33,7 +33,8 @@ class Clock:
     """Step ends (wall and this process's CPU time) and the first step's end, as the plain loop
     records them."""
 
-    def __init__(self) -> None:
+    def __init__(self, args) -> None:
+        self.counter = job.CallCounter(args.count_calls)
         self.step_ends: list[float] = []
         self.cpu_ends: list[float] = []
         self.thread_ends: list[float] = []
@@ -53,10 +54,12 @@ class Clock:
         self.thread_ends.append(time.thread_time())
         if self.first_step_end is None:
             self.first_step_end = time.time()
+        self.counter.step_ended(len(self.step_ends))
 
     def figures(self) -> dict:
         return {"losses": self.losses, "step_ends": self.step_ends, "cpu_ends": self.cpu_ends,
-                "thread_ends": self.thread_ends, "first_step_end": self.first_step_end}
+                "thread_ends": self.thread_ends, "first_step_end": self.first_step_end,
+                **self.counter.figures()}
 
 
 FIRST_LOSSES = 5
@@ -82,7 +85,7 @@ def fabric_loop(args) -> None:
     optimizer = job.optimizer(model, args)
     model, optimizer = fabric.setup(model, optimizer)
     loader, sampler = job.loader(args, fabric.global_rank, fabric.world_size)
-    clock = Clock()
+    clock = Clock(args)
     for step, (x, y) in enumerate(batches(loader, sampler, args.steps)):
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
@@ -100,7 +103,7 @@ def accelerate_loop(args) -> None:
     optimizer = job.optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
     loader, sampler = job.loader(args, accelerator.process_index, accelerator.num_processes)
-    clock = Clock()
+    clock = Clock(args)
     for step, (x, y) in enumerate(batches(loader, sampler, args.steps)):
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
@@ -114,7 +117,7 @@ def accelerate_loop(args) -> None:
 def trainer_loop(args) -> None:
     import lightning as L
 
-    clock = Clock()
+    clock = Clock(args)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -149,7 +152,7 @@ def dtrain_loop(args) -> None:
     between reads the device or meets the other ranks, as in the other loops' timed steps."""
     from dtrain import cli, trainer
 
-    clock = Clock()
+    clock = Clock(args)
     fit = trainer.Trainer.fit
 
     def timed_fit(self) -> str:
@@ -181,7 +184,7 @@ def dtrain_loop(args) -> None:
         (Path(args.out) / "result.json").write_text(json.dumps(figures))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as dtrain's own entry point ends (cli.entry)
+    os._exit(code)  # as dtrain's own entry point ends (cli.entry), and job.finish
 
 
 LOOPS = {"fabric": fabric_loop, "accelerate": accelerate_loop, "lightning": trainer_loop,
@@ -192,5 +195,4 @@ if __name__ == "__main__":
     framework = sys.argv.pop(sys.argv.index("--framework") + 1)
     sys.argv.remove("--framework")
     LOOPS[framework](job.arguments(__doc__.splitlines()[0]))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    job.finish()

@@ -11,7 +11,10 @@ Hugging Face Accelerate, alternated over rounds.
   of any of them (dtrain records and checks only at its last step), timed by the same clock at
   every step's end inside each rank (bench/peer_loops.py): wall time, this process's CPU time
   (process_time) and its training thread's (thread_time) per step over steps 100 to 998, rank 0,
-  medians of at least 5 alternated rounds. Their final weights must agree: the same work.
+  medians of at least 9 alternated rounds. Their final weights must agree: the same work. And,
+  in a run of each that is not timed, the Python calls (Python and C functions) the training
+  thread makes per step: how much code each runs besides the shared model, data and optimizer,
+  a count that a busy machine does not move.
 
 The peers are the optional `bench` extra (`pip install -e '.[bench]'`); without them the
 benchmark says so and compares dtrain with the plain loop only.
@@ -31,7 +34,7 @@ import common  # noqa: E402
 from common import Figure  # noqa: E402
 
 NPROC, STEPS, WINDOW, BATCH, WIDTH = 2, 200, 50, 64, 16
-TINY_WIDTH, TINY_BATCH, TINY_STEPS, TINY_FROM, TINY_ROUNDS = 2, 8, 1000, 100, 5
+TINY_WIDTH, TINY_BATCH, TINY_STEPS, TINY_FROM, TINY_ROUNDS = 2, 8, 1000, 100, 9
 PEERS = {"lightning": "lightning", "fabric": "lightning", "accelerate": "accelerate"}
 PEER_LOOPS = str(common.REPO / "bench" / "peer_loops.py")
 
@@ -82,62 +85,101 @@ def first_losses(work: Path, kind: str) -> list[float]:
 
 
 CLOCKS = {"wall": "step_ends", "CPU": "cpu_ends", "thread CPU": "thread_ends"}
+# Two summaries of a run's steps: the mean holds everything the steps took, the machine's slow
+# moments included; the typical (median) step is what a step costs when nothing else intervenes,
+# and moves far less from run to run on a shared machine.
+STATS = {"mean": lambda durations: sum(durations) / len(durations), "typical": common.median}
+MEASURES = [f"{clock}, {stat}" for clock in CLOCKS for stat in STATS
+            if not (clock == "thread CPU" and stat == "typical")]
 
 
 def tiny_step(work: Path, kind: str, tag: str) -> tuple[dict[str, float], Path]:
     """Seconds per step of rank 0 over the timed steps (after TINY_FROM, before the last:
-    dtrain's one check and record are at the last step) by each clock, and where the weights
+    dtrain's one check and record are at the last step) by each measure, and where the weights
     are."""
-    out = work / f"tiny-{kind}-{tag}"
+    result = _tiny_run(work, kind, f"tiny-{kind}-{tag}")
+    per_measure = {}
+    for clock, key in CLOCKS.items():
+        ends = result[key][TINY_FROM - 1:TINY_STEPS - 1]
+        durations = [b - a for a, b in zip(ends, ends[1:])]
+        for stat, summary in STATS.items():
+            per_measure[f"{clock}, {stat}"] = summary(durations)
+    return {m: per_measure[m] for m in MEASURES}, work / f"tiny-{kind}-{tag}" / "weights.pt"
+
+
+def calls_per_step(work: Path, kind: str) -> float:
+    """The Python calls rank 0's training thread makes per step over the timed steps, counted in
+    a run of its own (counting slows the steps): a figure no busy machine moves."""
+    counted = f"--count-calls={TINY_FROM}:{TINY_STEPS - 1}"
+    return _tiny_run(work, kind, f"tiny-calls-{kind}", [counted])["calls_per_step"]
+
+
+def _tiny_run(work: Path, kind: str, name: str, extra: tuple[str, ...] | list[str] = ()) -> dict:
+    """The tiny job trained by `kind` at 2 ranks: rank 0's result.json (weights beside it)."""
+    out = work / name
     script = [common.PLAIN, "--loss-steps", "5"] if kind == "plain" else [
         PEER_LOOPS, "--framework", kind]
     common.run([*common.launcher(NPROC), *script, f"--steps={TINY_STEPS}", f"--batch={TINY_BATCH}",
                 f"--width={TINY_WIDTH}", f"--train-size={TINY_STEPS * TINY_BATCH * NPROC}",
-                f"--out={out}"])
-    result = json.loads((out / "result.json").read_text())
-    first, last, count = TINY_FROM - 1, TINY_STEPS - 2, TINY_STEPS - 1 - TINY_FROM
-    return ({clock: (result[key][last] - result[key][first]) / count
-             for clock, key in CLOCKS.items()}, out / "weights.pt")
+                *extra, f"--out={out}"])
+    return json.loads((out / "result.json").read_text())
 
 
 def per_step_cost(work: Path, kinds: list[str], rounds: int) -> list[Figure]:
     """The tiny model's step, alternated over rounds: each framework's time per step by each
-    clock, its cost over the plain loop (median of the per-round differences), and whether the
-    weights agree."""
+    measure, its cost over the plain loop (median of the per-round differences), the Python
+    calls it makes per step, and whether the weights agree."""
     import torch
-    times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in CLOCKS}
+    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in kinds} for m in MEASURES}
     weights: dict[str, Path] = {}
     for i in range(rounds):
         order = kinds if i % 2 == 0 else kinds[::-1]  # no framework always runs first
         for kind in order:
-            per_clock, weights[kind] = tiny_step(work, kind, str(i))
-            for clock, value in per_clock.items():
-                times[clock][kind].append(value)
+            per_measure, weights[kind] = tiny_step(work, kind, str(i))
+            for measure, value in per_measure.items():
+                times[measure][kind].append(value)
+
+    def over_plain(kind: str, measure: str) -> list[float]:
+        return [a - b for a, b in zip(times[measure][kind], times[measure]["plain"], strict=True)]
+
     figures = []
     for kind in kinds:
-        for clock in CLOCKS:
-            values = times[clock][kind]
-            over = [a - b for a, b in zip(values, times[clock]["plain"], strict=True)]
-            goal = "<= 0.2" if kind == "dtrain" and clock != "thread CPU" else ""
-            detail = (f"{common.median(values) * 1e3:.3f} ms per step "
-                      f"({min(values) * 1e3:.3f}-{max(values) * 1e3:.3f}); over plain per round "
+        for measure in MEASURES:
+            if kind == "plain":
+                continue
+            values, plain, over = times[measure][kind], times[measure]["plain"], over_plain(
+                kind, measure)
+            goal = "<= 0.2" if kind == "dtrain" and not measure.startswith("thread") else ""
+            detail = (f"{common.median(values) * 1e3:.3f} ms per step, plain "
+                      f"{common.median(plain) * 1e3:.3f}; over plain per round "
                       f"{', '.join(f'{d * 1e3:+.3f}' for d in over)}")
-            figures.append(Figure(f"per step, tiny model: {kind} {clock} - plain",
+            figures.append(Figure(f"tiny step: {kind} - plain ({measure})",
                                   common.median(over) * 1e3, "ms", goal, detail))
-    for clock in ("wall", "CPU"):  # dtrain's cost against each peer's, by the same clock
-        cost = {k: common.median([a - b for a, b in zip(times[clock][k], times[clock]["plain"],
-                                                         strict=True)]) for k in kinds}
-        peers = [k for k in kinds if k not in ("dtrain", "plain")]
-        if peers:
-            lightest = min(peers, key=cost.__getitem__)
-            figures.append(Figure(
-                f"per step, tiny model: dtrain - lightest peer ({clock})",
-                (cost["dtrain"] - cost[lightest]) * 1e3, "ms", "< 0",
-                f"lightest peer {lightest} at {cost[lightest] * 1e3:+.3f} ms over plain"))
+    peers = [k for k in kinds if k not in ("dtrain", "plain")]
+    for measure in MEASURES:  # dtrain's cost against each peer's, by the same measure
+        if not peers or measure.startswith("thread"):
+            continue
+        cost = {k: common.median(over_plain(k, measure)) for k in kinds if k != "plain"}
+        lightest = min(peers, key=cost.__getitem__)
+        figures.append(Figure(
+            f"tiny step: dtrain - lightest peer ({measure})",
+            (cost["dtrain"] - cost[lightest]) * 1e3, "ms", "< 0",
+            f"lightest peer {lightest} at {cost[lightest] * 1e3:+.3f} ms over plain"))
+    calls = {kind: calls_per_step(work, kind) for kind in kinds}
+    for kind in kinds:
+        if kind != "plain":
+            figures.append(Figure(f"tiny step: Python calls {kind} - plain",
+                                  calls[kind] - calls["plain"], "calls", "",
+                                  f"{calls[kind]:.0f} calls per step, plain {calls['plain']:.0f}"))
+    if peers:
+        fewest = min(peers, key=calls.__getitem__)
+        figures.append(Figure("tiny step: Python calls dtrain - fewest of the peers",
+                              calls["dtrain"] - calls[fewest], "calls", "< 0",
+                              f"fewest peer {fewest} at {calls[fewest]:.0f} per step"))
     reference = torch.load(weights["plain"], weights_only=True)
     differences = {k: common.max_weight_difference(
         torch.load(weights[k], weights_only=True), reference) for k in kinds}
-    figures.append(Figure("per step, tiny model: final weights max |diff| vs plain",
+    figures.append(Figure("tiny step: final weights max |diff| vs plain",
                           max(differences.values()), "", "<= 1e-6",
                           "; ".join(f"{k} {v:.1e}" for k, v in differences.items())))
     return figures

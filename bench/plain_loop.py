@@ -6,7 +6,8 @@ torchrun; it writes the per-step losses (mean over ranks), step times and final 
 the benchmarks the clock at each step's end (`step_ends`, perf_counter: steady-state time per step
 including data loading), the process's and the training thread's CPU time there (`cpu_ends`,
 process_time; `thread_ends`, thread_time) and the wall-clock time the first step ended
-(`first_step_end`, time.time: start-up as seen by whoever launched it). `--loss-steps K` reads
+(`first_step_end`, time.time: start-up as seen by whoever launched it); with `--count-calls
+FROM:TO`, the Python calls per step over those steps instead of a timed run (job.CallCounter). `--loss-steps K` reads
 the loss (an all-reduce and a wait) on the first K steps only, as the peers' loops do, so that
 the steps after them do nothing but train.
 
@@ -46,6 +47,7 @@ def main() -> None:
     optimizer = job.optimizer(plain, args)
 
     losses, step_times, step_ends, cpu_ends, thread_ends = [], [], [], [], []
+    counter = job.CallCounter(args.count_calls)
     step, epoch = 0, 0
     first_step_end = None
     while step < args.steps:
@@ -70,6 +72,7 @@ def main() -> None:
             if first_step_end is None:
                 first_step_end = time.time()
             step += 1
+            counter.step_ended(step)
             if step == args.steps:
                 break
         epoch += 1
@@ -77,9 +80,8 @@ def main() -> None:
     if rank == 0:
         job.write_result(args, plain, losses=losses, step_times=step_times, step_ends=step_ends,
                          cpu_ends=cpu_ends, thread_ends=thread_ends,
-                         first_step_end=first_step_end)
-    if distributed:
-        dist.destroy_process_group()
+                         first_step_end=first_step_end, **counter.figures())
+    job.finish()
 
 
 if __name__ == "__main__":

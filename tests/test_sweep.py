@@ -178,6 +178,29 @@ def test_bad_input_exits_2_with_one_line_and_nothing_written(tmp_path: Path, wor
     assert not out_dir.exists()
 
 
+def test_a_tracker_not_installed_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    # In the child only: `mlflow` cannot be found, as when the extra was not installed.
+    (shim / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoMlflow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mlflow' or name.startswith('mlflow.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoMlflow())\n")
+    from conftest import REPO, TESTS
+
+    out_dir = tmp_path / "runs"
+    env = {"PYTHONPATH": ":".join([str(shim), TESTS, str(REPO / "src")])}
+    result = sweep(out_dir, "optim.lr=[0.1,0.2]", "log.mlflow.enabled=[false,true]", env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "dtrain: missing dependency: log.mlflow.enabled needs the 'mlflow' extra "
+        "(no module 'mlflow'): pip install 'dtrain[mlflow]'"]
+    assert not out_dir.exists()  # not even the trials that would not use it
+
+
 def test_a_folder_holding_something_else_is_refused_untouched(tmp_path: Path) -> None:
     out_dir = tmp_path / "runs"
     folder = out_dir / "mine"

@@ -32,12 +32,13 @@ def autocast(
     other mode autocasts."""
     dtype = PRECISION_DTYPES[precision]
     if dtype == torch.float32 or is_fsdp:
-        return _NO_CAST
+        return NOTHING
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-# Entered at every step: one context that does nothing (a nullcontext keeps no state).
-_NO_CAST = contextlib.nullcontext()
+# Entered at every step (no autocast, no gradient-sync switch): one context that does nothing,
+# made once (a nullcontext keeps no state).
+NOTHING = contextlib.nullcontext()
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:

@@ -14,43 +14,16 @@ volumes are estimates.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
-from dtrain import data, footprint, models, parallel, tasks
-from dtrain import layout as layout_mod
+from dtrain import footprint, plan_facts, tasks
 from dtrain.config import Config, dump
-from dtrain.env import Env, device_index
 from dtrain.errors import UserError, first_line
 from dtrain.footprint import activation_bytes, checkpoint_size, state_bytes
-from dtrain.imports import is_import_path
-from dtrain.layout import Layout
-
-# Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
-KNOWN_DATASETS = {
-    "cifar10": (50000, 10000, 3, 32, 10),
-    "mnist": (60000, 10000, 1, 28, 10),
-    "fashion_mnist": (60000, 10000, 1, 28, 10),
-}
-
-
-class _SizeOnly(Dataset):
-    """Stands in for a dataset of which plan needs the length only."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: object) -> None:
-        raise IndexError("dtrain plan reads no samples")
 
 
 @dataclass
@@ -113,115 +86,8 @@ class Plan:
 # Data sizes without data
 
 
-def _dataset_shapes(cfg: Config) -> data.Datasets:
-    """Datasets of the right lengths whose samples are never read, with what models need (and,
-    for images, the size and transform a run would choose, as a note)."""
-    from dtrain.data import images
-
-    dcfg = cfg.data
-    if is_import_path(
-        dcfg.name
-    ):  # a user's datasets: constructing them is the only way to learn the sizes
-        return data.build(dcfg, cfg.run.seed, cfg.model.args)
-    if dcfg.name == "text":
-        from dtrain.data import text
-
-        seq_len = data.seq_len_of(dcfg, cfg.model.args)
-        train, val = text.window_counts(dcfg, seq_len)
-        return data.Datasets(
-            train=_SizeOnly(train),
-            val=_SizeOnly(val),
-            info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len},
-        )
-    if dcfg.name == "hf":  # rows counted, columns checked, a sample of headers read
-        from dtrain.data import hf
-
-        found = hf.survey(dcfg, cfg.run.seed)
-        return data.Datasets(
-            train=_SizeOnly(found.rows[0]),
-            val=_SizeOnly(found.rows[1]),
-            info=found.info,
-            notes=found.notes,
-        )
-    if dcfg.name == "tokens":  # windows counted from meta.json and the files' sizes
-        from dtrain.data import tokens
-
-        seq_len = data.seq_len_of(dcfg, cfg.model.args)
-        train, val, info = tokens.window_counts(dcfg, seq_len)
-        return data.Datasets(train=_SizeOnly(train), val=_SizeOnly(val), info=info)
-    if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
-        (train_list, _, _), (val_list, _, _) = (
-            images.list_split(dcfg.root, s) for s in ("train", "val")
-        )
-        skip = dcfg.on_bad_sample == "skip"
-        sizes = (
-            []
-            if dcfg.image_size
-            else (images.header_sizes(train_list, skip) + images.header_sizes(val_list, skip))
-        )
-        size, why = images.choose_size(dcfg, sizes)
-        train, val, channels, classes = (
-            len(train_list.files),
-            len(val_list.files),
-            3,
-            len(train_list.classes),
-        )
-    elif dcfg.name == "synthetic" or dcfg.name in KNOWN_DATASETS:
-        from dtrain import synthetic
-
-        known = KNOWN_DATASETS.get(dcfg.name) or (
-            dcfg.synthetic.train_size,
-            dcfg.synthetic.val_size,
-            3,
-            synthetic.IMAGE_SIZE,
-            len(synthetic.CLASSES),
-        )
-        train, val, channels, native_size, classes = known
-        size = dcfg.image_size or native_size
-        why = "their own size" if size == native_size else "data.image_size"
-    else:
-        data.build(dcfg, cfg.run.seed)  # raises the run's own error for an unknown name
-        raise AssertionError("unreachable")
-    kind, kind_why = images.choose_transform(dcfg, size)
-    note = f"images {size}x{size} ({why}), transform {kind} ({kind_why})"
-    return data.Datasets(
-        train=_SizeOnly(train),
-        val=_SizeOnly(val),
-        info={"num_classes": classes, "in_channels": channels, "image_size": size},
-        notes=[note],
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Putting it together
-
-
-def _device_memory(layout: Layout) -> tuple[str, int, list[str]]:
-    """The device rank 0 of the layout gets, described; the memory one rank may use; warnings
-    for a launch the run would refuse (more ranks on a node than GPUs)."""
-    device, nproc = layout.device, layout.ranks_per_node
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if device.type == "mps":
-        return "mps", ram, []
-    if device.type != "cuda":
-        return "cpu", ram // nproc, []  # the node's ranks share its RAM
-    warnings = []
-    last_rank = dataclasses.replace(layout.env, local_rank=nproc - 1)
-    try:
-        device_index(last_rank, torch.cuda.device_count())
-    except UserError as e:
-        warnings.append(f"{str(e).removeprefix('device error: ')}: the run will stop there")
-    props = torch.cuda.get_device_properties(0)
-    return f"cuda ({props.name})", props.total_memory, warnings
-
-
-def _build_meta_model(cfg: Config, shapes: data.Datasets) -> nn.Module:
-    with torch.device("meta"):
-        return models.build(cfg.model, shapes.info, cfg.run.seed)
-
-
-def _param_bytes(modules: list[nn.Module]) -> int:
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
 def _activations(
@@ -260,7 +126,9 @@ def _too_big(plan: Plan) -> str | None:
     if chosen.total <= plan.device_bytes:
         return None
     other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
-    hint = f"; {other.mode} would need {_size(other.total)}" if other.total < chosen.total else ""
+    hint = (
+        f"; {other.mode} would need {size_text(other.total)}" if other.total < chosen.total else ""
+    )
     options = [
         o
         for o, applies in (
@@ -272,24 +140,10 @@ def _too_big(plan: Plan) -> str | None:
         if applies
     ]
     return (
-        f"the estimate for this run, {_size(chosen.total)} per rank, exceeds the "
-        f"{_size(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
+        f"the estimate for this run, {size_text(chosen.total)} per rank, exceeds the "
+        f"{size_text(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
         f"{', '.join(options)}"
     )
-
-
-def _launch(cfg: Config, nproc: int, nnodes: int, mode: str | None = None) -> Layout:
-    """The layout of rank 0 of a launch of `nnodes` x `nproc` ranks (in `mode` if given)."""
-    world = nproc * nnodes
-    env = Env(
-        launcher="torchrun" if world > 1 else "single",
-        world_size=world,
-        local_world_size=nproc,
-        num_nodes=nnodes,
-    )
-    if mode is not None:
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode=mode))
-    return layout_mod.resolve(cfg, env)
 
 
 def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
@@ -298,30 +152,18 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     if nproc < 1 or nnodes < 1:
         raise UserError("plan error: --nproc and --nnodes must be >= 1")
-    layout = _launch(cfg, nproc, nnodes)
+    facts = plan_facts.model_facts(cfg, nproc, nnodes)
+    layout, shards, shapes, model = facts.layout, facts.shards, facts.shapes, facts.model
     world = layout.world_size
-    shards = _launch(cfg, nproc, nnodes, "fsdp").shards  # the FSDP column, whatever the mode
-    device, device_bytes, warnings = _device_memory(layout)
-
-    shapes = _dataset_shapes(cfg)
     steps = layout.steps(cfg, len(shapes.train))
-
-    model = _build_meta_model(cfg, shapes)
-    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
     ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
     activations, note = _activations(model, cfg, shapes.info, low)
-
-    largest_block = max((_param_bytes([b]) for b in blocks), default=0)
-    block_bytes = _param_bytes(blocks)
-    root_bytes = _param_bytes([model]) - block_bytes
     memory = []
     for precision in ("fp32", low):
         itemsize = 4 if precision == "fp32" else 2
         held = footprint.parallel_buffers(
-            cfg, world, shards, trainable, root_bytes, largest_block, itemsize
+            cfg, world, shards, facts.trainable, facts.root_bytes, facts.largest_block, itemsize
         )
         for mode, state, buffers in (
             ("ddp", ddp_state, held["ddp"]),
@@ -345,9 +187,9 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         world_size=world,
         nproc=nproc,
         nnodes=nnodes,
-        device=device,
+        device=facts.device,
         backend=layout.backend,
-        device_bytes=device_bytes,
+        device_bytes=facts.device_bytes,
         train_size=len(shapes.train),
         val_size=len(shapes.val),
         sample=_describe_sample(cfg, shapes.info),
@@ -358,16 +200,18 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         steps_per_epoch=steps.per_epoch,
         total_steps=steps.total,
         num_params=sum(p.numel() for p in model.parameters()),
-        num_blocks=len(blocks),
+        num_blocks=len(facts.blocks),
         checkpoint_format=fmt,
         checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
         checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best,
         fsdp_shards=shards,
         memory=memory,
-        comm_bytes=footprint.communication(cfg, world, shards, trainable, root_bytes, block_bytes),
+        comm_bytes=footprint.communication(
+            cfg, world, shards, facts.trainable, facts.root_bytes, facts.block_bytes
+        ),
         state_bytes_unsharded=ddp_state["unsharded"],
         activation_note=note,
-        warnings=warnings,
+        warnings=facts.warnings,
     )
     too_big = _too_big(plan)
     if too_big:
@@ -402,7 +246,7 @@ def _mode(cfg: Config) -> str:
     return "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -435,10 +279,10 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
         f"{c.train.epochs} epoch(s){max_steps}",
         f"  model       {c.model.name}: {p.num_params / 1e6:.3f} M parameters in "
         f"{p.num_blocks} block(s)",
-        f"  checkpoint  {p.checkpoint_format}, about {_size(p.checkpoint_bytes)} each; "
+        f"  checkpoint  {p.checkpoint_format}, about {size_text(p.checkpoint_bytes)} each; "
         f"at most {p.checkpoints_kept} "
         f"kept (keep_last {c.ckpt.keep_last} + keep_best {c.ckpt.keep_best}) = "
-        f"{_size(p.checkpoint_bytes * p.checkpoints_kept)} on disk, "
+        f"{size_text(p.checkpoint_bytes * p.checkpoints_kept)} on disk, "
         "one more while a save is written",
         "",
         f"memory per rank (batch {c.data.batch_size}; FSDP over "
@@ -448,18 +292,18 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     ]
     for m in p.memory:
         mark = "  <- this run" if (m.mode, m.precision) == (chosen_mode, c.train.precision) else ""
-        acts = _size(m.activations) if m.activations is not None else "?"
+        acts = size_text(m.activations) if m.activations is not None else "?"
         lines.append(
-            f"  {m.mode + ' ' + m.precision:14}{_size(m.params):>11}{_size(m.grads):>11}"
-            f"{_size(m.optimizer):>11}{acts:>13}{_size(m.buffers):>11}"
-            f"{_size(m.total):>11}{mark}"
+            f"  {m.mode + ' ' + m.precision:14}{size_text(m.params):>11}{size_text(m.grads):>11}"
+            f"{size_text(m.optimizer):>11}{acts:>13}{size_text(m.buffers):>11}"
+            f"{size_text(m.total):>11}{mark}"
         )
     ddp, fsdp = p.memory_for("ddp", "fp32"), p.memory_for("fsdp", "fp32")
     lines += [
         f"  state (params + grads + optimizer): ddp {ddp.state} bytes, fsdp {fsdp.state} bytes "
         f"(unsharded {p.state_bytes_unsharded}); the run logs these as state_bytes",
         *footprint.ema_lines(c, ddp.grads, fsdp.grads),
-        f"  a rank has {_size(p.device_bytes)} on {p.device}",
+        f"  a rank has {size_text(p.device_bytes)} on {p.device}",
     ]
     if p.activation_note:
         lines.append(f"  {p.activation_note}")
@@ -467,11 +311,11 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     lines += [
         "",
         "building and loading the model",
-        f"  ddp   every rank builds the whole model: {_size(p.model_bytes)} of parameters and "
+        f"  ddp   every rank builds the whole model: {size_text(p.model_bytes)} of parameters and "
         f"buffers",
         f"  fsdp  every rank builds only its shard (the constructor replayed row by row; "
         f"unless it cannot be, which the run says): at most one whole tensor at a time besides "
-        f"the shards, the largest {_size(largest)} ({name})",
+        f"the shards, the largest {size_text(largest)} ({name})",
         "  a full checkpoint or model.init_from file is read by rank 0 alone (memory-mapped) and "
         "broadcast: each rank keeps what it holds; sharded checkpoints are read by every rank, "
         "each its own shards",
@@ -480,10 +324,10 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     if p.world_size == 1:
         lines.append("  none: a single rank")
     else:
-        lines.append(f"  ddp   all-reduce of fp32 gradients: {_size(p.comm_bytes['ddp'])}")
+        lines.append(f"  ddp   all-reduce of fp32 gradients: {size_text(p.comm_bytes['ddp'])}")
         lines.append(
             f"  fsdp  all-gather of parameters ({c.train.precision}) + reduce-scatter of "
-            f"fp32 gradients: {_size(p.comm_bytes['fsdp'])}"
+            f"fp32 gradients: {size_text(p.comm_bytes['fsdp'])}"
         )
     for warning in p.warnings:
         lines.append(f"WARNING: {warning}")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dtrain import config, footprint, parallel, plan, tasks
+from dtrain import config, footprint, plan, plan_facts, tasks
 from dtrain.config import Config
 from dtrain.errors import UserError
 
@@ -114,21 +114,19 @@ def _activations(model: torch.nn.Module, cfg: Config, info: dict[str, Any]) -> d
 
 def evaluate(cfg: Config, nproc: int, nnodes: int, limit: int) -> dict[str, Fit]:
     """Every mode of `cfg` at `nproc` ranks per node, against `limit` bytes for the job."""
-    layout = plan._launch(cfg, nproc, nnodes)
-    shards = plan._launch(cfg, nproc, nnodes, "fsdp").shards
-    device, device_bytes, _ = plan._device_memory(layout)
-    shapes = plan._dataset_shapes(cfg)
-    model = plan._build_meta_model(cfg, shapes)
-    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    largest_block = max((plan._param_bytes([b]) for b in blocks), default=0)
-    root = plan._param_bytes([model]) - plan._param_bytes(blocks)
+    facts = plan_facts.model_facts(cfg, nproc, nnodes)
+    model, blocks, shards, device = facts.model, facts.blocks, facts.shards, facts.device
     itemsize = 4 if cfg.train.precision == "fp32" else 2
     held = footprint.parallel_buffers(
-        cfg, layout.world_size, shards, trainable, root, largest_block, itemsize
+        cfg,
+        facts.layout.world_size,
+        shards,
+        facts.trainable,
+        facts.root_bytes,
+        facts.largest_block,
+        itemsize,
     )
-    acts = _activations(model, cfg, shapes.info)
+    acts = _activations(model, cfg, facts.shapes.info)
     fits = {}
     for mode in MODES:
         base = "ddp" if mode == "ddp" else "fsdp"
@@ -168,7 +166,7 @@ def evaluate(cfg: Config, nproc: int, nnodes: int, limit: int) -> dict[str, Fit]
             parts["fixed"] = PROCESS_BYTES + CUDA_CONTEXT_BYTES
             peak = on_device
             job = AGENT_BYTES + nproc * (parts["fixed"] + state["total"]) + NODE_BYTES
-            ok = job <= limit and peak <= device_bytes
+            ok = job <= limit and peak <= facts.device_bytes
         fits[mode] = Fit(mode, device, parts, peak, job, ok)
     return fits
 
@@ -347,7 +345,7 @@ def render(cfg: Config, nproc: int | None, nnodes: int, limit: int, grow: str, f
     chosen = _chosen(cfg)
     grown = f"  largest {grow}" if grow else ""
     lines = [
-        f"dtrain plan: memory for the whole job on one node, limit {plan._size(limit)} "
+        f"dtrain plan: memory for the whole job on one node, limit {plan.size_text(limit)} "
         f"({nproc} rank(s), torchrun's agent, the pages the kernel charges the job)",
         f"  {'mode':9}{'fits':6}{'peak per rank':>15}{'job':>12}{grown}",
     ]
@@ -355,8 +353,8 @@ def render(cfg: Config, nproc: int | None, nnodes: int, limit: int, grow: str, f
         largest = "" if not grow else f"  {f.largest if f.largest is not None else 'any'}"
         mark = "  <- this run" if mode == chosen else ""
         lines.append(
-            f"  {mode:9}{'yes' if f.fits else 'no':6}{plan._size(f.peak_bytes_per_rank):>15}"
-            f"{plan._size(f.job_bytes):>12}{largest}{mark}"
+            f"  {mode:9}{'yes' if f.fits else 'no':6}{plan.size_text(f.peak_bytes_per_rank):>15}"
+            f"{plan.size_text(f.job_bytes):>12}{largest}{mark}"
         )
     lines.append(
         "per rank (MiB; the peak adds them up, but under FSDP the gradients, freed at every "

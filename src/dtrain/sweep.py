@@ -25,6 +25,7 @@ import yaml
 
 from dtrain import config, sweep_space
 from dtrain.errors import UserError
+from dtrain.observe import trackers
 
 VERSION = 1
 FILE = "sweep.yaml"
@@ -293,10 +294,11 @@ def _merge(old: dict, new: dict, extend: bool, folder: str) -> tuple[dict, int]:
 
 
 def _check_trials(data: dict, folder: str) -> None:
-    """Every trial's full config, as its run will load it: a wrong type or value is found now,
-    with the key named, and not when that trial starts."""
+    """Every trial's full config, as its run will load it: a wrong type or value, or a tracker
+    whose library is not installed, is found now, with the key named, and not when that trial
+    starts (every trial would fail alike)."""
     for trial in data["trials"]:
-        config.load(data["config"], trial_overrides(data, folder, trial))
+        trackers.check_installed(config.load(data["config"], trial_overrides(data, folder, trial)))
 
 
 def write(folder: str, data: dict) -> None:

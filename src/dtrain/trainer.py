@@ -9,6 +9,7 @@ else that may run between steps is one of the `Callbacks`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -114,6 +115,18 @@ class Trainer:
         The ranks meet only where `_agree()` is called (and inside evaluations and saves, which
         every rank runs together): at steps that are the same on every rank, never on one rank's
         clock. Everything else here runs without waiting for the device or the other ranks."""
+        # What exists now (the modules imported, the model, the data) lives as long as the run.
+        # Frozen, it is out of the cyclic collector's sight: a full collection no longer walks
+        # its ~0.4 M objects (0.14 s on a CPU here, on some step of some rank, which the others
+        # then wait for), and forked loader workers do not write to its pages.
+        gc.collect()
+        gc.freeze()
+        try:
+            return self._fit()
+        finally:
+            gc.unfreeze()
+
+    def _fit(self) -> str:
         cfg, state = self.cfg, self.state
         max_steps = cfg.train.max_steps or math.inf
         while (
@@ -315,14 +328,14 @@ class Trainer:
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
         if self.accum == 1:
-            return _NOTHING
+            return parallel.NOTHING
         if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
             cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
-            return contextlib.nullcontext()
+            return parallel.NOTHING
         no_sync = getattr(self.model, "no_sync", None) if not sync else None
         if no_sync is not None:
             return no_sync()
-        return contextlib.nullcontext()
+        return parallel.NOTHING
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
@@ -450,10 +463,6 @@ class Trainer:
         self.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
-
-
-# A context that does nothing, entered as often as wanted (nullcontext keeps no state).
-_NOTHING = contextlib.nullcontext()
 
 
 def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
