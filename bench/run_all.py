@@ -40,8 +40,10 @@ BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memor
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
               "tokenize": tokenize_speed, "tokens": tokens_data}
-# Run on request only (--only exit_codes): 40 launches, several minutes.
-DEFAULT = [name for name in BENCHMARKS if name != "exit_codes"]
+# Run on request only (--only exit_codes): 40 launches, several minutes. The timed ones first;
+# the memory ones (peak RSS, the frontier's depths) last, as the machine's load moves them least.
+MEMORY = ["memory", "frontier"]
+DEFAULT = [n for n in BENCHMARKS if n not in ("exit_codes", *MEMORY)] + MEMORY
 
 
 def _machine() -> str:
