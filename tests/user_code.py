@@ -6,6 +6,7 @@ so that faults are injected from outside the product, as a user's code would cau
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -164,7 +165,8 @@ READS = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "__index
 
 class CountingCNN(SimpleCNN):
     """SimpleCNN that counts, in its process, every Python-level read of a tensor's value on the
-    host, and at each training forward appends the running count to $READS_DIR/rank<RANK>.txt."""
+    host, and at each training forward appends the running count to $READS_DIR/rank<RANK>.txt,
+    with the number of objects out of the cyclic garbage collector's sight (gc.freeze)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -181,7 +183,7 @@ class CountingCNN(SimpleCNN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             with open(self.path, "a") as f:
-                f.write(f"{self.reads[0]}\n")
+                f.write(f"{self.reads[0]} {gc.get_freeze_count()}\n")
         return super().forward(x)
 
 
