@@ -240,6 +240,22 @@ def test_thread_count_does_not_change_the_output(tmp_path) -> None:
     assert outputs[0] == outputs[1]
 
 
+def test_tokenize_imports_no_torch(tmp_path, trained) -> None:
+    """torch's import (about 2 s) would be most of the command's time on a corpus of tens of
+    megabytes: the command needs none of it."""
+    import subprocess
+
+    from conftest import REPO, child_env
+    paths = write_docs(tmp_path / "in", DOCS)
+    code = ("import sys; from dtrain import cli; code = cli.main(['tokenize', *sys.argv[1:]]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, paths), "--out",
+                           str(tmp_path / "out"), "--tokenizer", str(trained)], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "train.bin").stat().st_size > 0
+
+
 def test_the_built_in_corpus(tmp_path) -> None:
     from pydoc_data.topics import topics
 

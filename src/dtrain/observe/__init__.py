@@ -1,19 +1,47 @@
 """What a run shows: per-rank log files and the console (`logs`, `progress`), figures about the
 run itself (`figures`), and its records, which `RunLog` sends to metrics.jsonl, TensorBoard and
-any other sink (`sinks`) on rank 0."""
+any other sink (`sinks`) on rank 0.
 
-from dtrain.observe.figures import (
-    PEAK_FLOPS,
-    StartupClock,
-    Throughput,
-    memory_stats,
-    peak_flops,
-    process_start_time,
-)
-from dtrain.observe.logs import ConsoleHandler, attach_log_files, log, setup_logging
-from dtrain.observe.progress import Progress, clock, format_record
-from dtrain.observe.runlog import RunLog
-from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink, build_sinks
+The names below are loaded when first used: commands that need no torch (`dtrain tokenize`,
+`dtrain verify`) import this package for its log and clock without paying for torch's import
+(about 2 s), which `figures` and `sinks` need."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtrain.observe.figures import (
+        PEAK_FLOPS,
+        StartupClock,
+        Throughput,
+        memory_stats,
+        peak_flops,
+        process_start_time,
+    )
+    from dtrain.observe.logs import ConsoleHandler, attach_log_files, log, setup_logging
+    from dtrain.observe.progress import Progress, clock, format_record
+    from dtrain.observe.runlog import RunLog
+    from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink, build_sinks
+
+_MODULE_OF = {
+    **dict.fromkeys(
+        [
+            "PEAK_FLOPS",
+            "StartupClock",
+            "Throughput",
+            "memory_stats",
+            "peak_flops",
+            "process_start_time",
+        ],
+        "figures",
+    ),
+    **dict.fromkeys(["ConsoleHandler", "attach_log_files", "log", "setup_logging"], "logs"),
+    **dict.fromkeys(["Progress", "clock", "format_record"], "progress"),
+    "RunLog": "runlog",
+    **dict.fromkeys(["JsonlSink", "Record", "Sink", "TensorBoardSink", "build_sinks"], "sinks"),
+}
 
 __all__ = [
     "PEAK_FLOPS",
@@ -36,3 +64,12 @@ __all__ = [
     "process_start_time",
     "setup_logging",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
