@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with CUDA (one GPU is enough): what the CPU cannot show, one line per figure
 # (bench/cuda_check.py says what each part runs). Without a CUDA device it says so and exits 0.
-#   bash bench/cuda_check.sh            (from the repository root)
+#   bash bench/cuda_check.sh            (from the repository root; the project's .venv if made,
+#                                        else python3; PYTHON=... to choose)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" bench/cuda_check.py "$@"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+exec "$PYTHON" bench/cuda_check.py "$@"
