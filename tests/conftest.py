@@ -49,6 +49,21 @@ def child_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
+def without_module(folder: Path, module: str) -> dict:
+    """Environment entries under which a child process cannot import `module` (nor its
+    submodules), as when the extra that installs it was not installed: a `sitecustomize` in
+    `folder` that refuses it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hidden:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r} or name.startswith({module + '.'!r}):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hidden())\n")
+    return {"PYTHONPATH": os.pathsep.join([str(folder), TESTS, str(REPO / "src")])}
+
+
 @dataclass
 class Result:
     returncode: int

@@ -179,20 +179,10 @@ def test_bad_input_exits_2_with_one_line_and_nothing_written(tmp_path: Path, wor
 
 
 def test_a_tracker_not_installed_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    # In the child only: `mlflow` cannot be found, as when the extra was not installed.
-    (shim / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class NoMlflow:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'mlflow' or name.startswith('mlflow.'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, NoMlflow())\n")
-    from conftest import REPO, TESTS
+    from conftest import without_module
 
     out_dir = tmp_path / "runs"
-    env = {"PYTHONPATH": ":".join([str(shim), TESTS, str(REPO / "src")])}
+    env = without_module(tmp_path / "shim", "mlflow")
     result = sweep(out_dir, "optim.lr=[0.1,0.2]", "log.mlflow.enabled=[false,true]", env=env)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [

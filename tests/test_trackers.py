@@ -224,20 +224,9 @@ def test_unreachable_tracker_is_one_warning_and_the_run_finishes(tmp_path: Path)
 
 
 def test_enabled_but_not_installed_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    # In the child only: `mlflow` cannot be found, as when the extra was not installed.
-    (shim / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class NoMlflow:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'mlflow' or name.startswith('mlflow.'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, NoMlflow())\n")
-    from conftest import REPO, TESTS
+    from conftest import without_module
 
-    env = {**tracker_env(tmp_path),
-           "PYTHONPATH": ":".join([str(shim), TESTS, str(REPO / "src")])}
+    env = {**tracker_env(tmp_path), **without_module(tmp_path / "shim", "mlflow")}
     run_dir = tmp_path / "runs" / "r"
     result = launch(run_dir, ["log.mlflow.enabled=true"], env=env)
     assert result.returncode == 2
