@@ -30,10 +30,11 @@ MODEL = ["model.name=transformer", "model.args={dim: 384, depth: 8, heads: 8}", 
 def _setup(work: Path, asynchronous: bool):
     import torch
     import torch.nn.functional as F
-    from dtrain import checkpoint, config, data, models, optim
-    from dtrain.env import Env
-    from dtrain.layout import resolve
-    from dtrain.loop_state import TrainState
+    from dtrain import checkpoint, config, data, models
+    from dtrain.loop import optim
+    from dtrain.process.env import Env
+    from dtrain.process.layout import resolve
+    from dtrain.loop.state import TrainState
 
     cfg = config.load(None, [*MODEL, f"run.out_dir={work}", f"run.name={'async' if asynchronous else 'sync'}",
                              f"ckpt.async={str(asynchronous).lower()}", "ckpt.keep_last=2",
@@ -126,7 +127,7 @@ def _range(ratios: list[float]) -> str:
 
 def _hash_seconds(folder: str) -> float:
     """How long digesting a checkpoint's files takes from the page cache (xxh3-128)."""
-    from dtrain.verify import file_digest
+    from dtrain.files.digests import file_digest
 
     files = [os.path.join(root, n) for root, _, names in os.walk(folder) for n in names]
     return _timed(lambda: [file_digest(f) for f in files])

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from dtrain import synthetic  # noqa: E402
+from dtrain.data import synthetic  # noqa: E402
 from dtrain.data import ImageDataset, Transform  # noqa: E402
 from dtrain.models import SimpleCNN  # noqa: E402
 

@@ -57,7 +57,7 @@ def update_time(device: str = "cpu", calls: int = 500) -> float:
     import torch
 
     from dtrain import config, models
-    from dtrain.ema import EmaWeights
+    from dtrain.loop.ema import EmaWeights
 
     cfg = config.load(str(common.REPO / "configs" / "default.yaml"), [])
     info = {"num_classes": 10, "in_channels": 3, "image_size": 32}

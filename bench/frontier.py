@@ -131,12 +131,14 @@ class Frontier:
 
 def planned(base: list[str], nproc: int, limit: int, key: str = KEY):
     """dtrain plan's fit for `base` (every mode) and its largest value of `key`."""
-    from dtrain import config, plan_fit
+    from dtrain import config
+    from dtrain.commands.plan import fit as plan_fit
     return plan_fit.fit(config.load(None, base), nproc=nproc, limit=limit, grow=key)
 
 
 def num_params(base: list[str], value: int, key: str = KEY) -> int:
-    from dtrain import config, plan
+    from dtrain import config
+    from dtrain.commands.plan import command as plan
     return plan.estimate(config.load(None, [*base, f"{key}={value}"]), nproc=2).num_params
 
 

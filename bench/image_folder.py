@@ -37,7 +37,7 @@ def write_folder(root: Path, count: int, side: int, classes: int = 10, noise: fl
     photographs rather than flat drawings."""
     import torch
     from PIL import Image
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     if (root / "done").exists():
         return root
     for split, n in (("train", count - count // 10), ("val", count // 10)):

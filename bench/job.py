@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from dtrain import synthetic  # noqa: E402
+from dtrain.data import synthetic  # noqa: E402
 from dtrain.data import ImageDataset, Transform  # noqa: E402
 from dtrain.models import SimpleCNN  # noqa: E402
 

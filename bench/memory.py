@@ -48,7 +48,8 @@ def run_mode(work: Path, mode: str, tag: str) -> tuple[int, int, float]:
 
 def planned(mode: str) -> tuple[int, int]:
     """dtrain plan's state bytes and total per rank for `mode`."""
-    from dtrain import config, plan
+    from dtrain import config
+    from dtrain.commands.plan import command as plan
     estimate = plan.estimate(config.load(None, [*MODEL, f"parallel.mode={mode}"]), nproc=2)
     memory = estimate.memory_for(mode, "fp32")
     return memory.state, memory.total

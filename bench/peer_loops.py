@@ -150,7 +150,8 @@ def dtrain_loop(args) -> None:
     """The job as a dtrain config: its records and checks only where the job's last step ends
     (train.log_every and train.check_every_steps at the run's length), so that no step in
     between reads the device or meets the other ranks, as in the other loops' timed steps."""
-    from dtrain import cli, trainer
+    from dtrain import cli
+    from dtrain.loop import trainer
 
     clock = Clock(args)
     fit = trainer.Trainer.fit

@@ -160,7 +160,7 @@ def latest(run_dir: Path) -> Path:
 
 
 def final_weights(run_dir: Path) -> dict:
-    from dtrain.export import load_model
+    from dtrain.commands.export.command import load_model
     model, _ = load_model(str(latest(run_dir)))
     return model.state_dict()
 

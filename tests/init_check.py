@@ -9,7 +9,9 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dtrain import config, dist, env, layout, models, parallel, sharded_init
+from dtrain import config, models, parallel
+from dtrain.parallel import sharded_init
+from dtrain.process import dist, env, layout
 
 # Every tensor above 4 KiB is "large" here, so that even these small models are built row by row.
 sharded_init.FULL_BYTES = 4096

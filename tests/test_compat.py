@@ -1,4 +1,4 @@
-"""The torch internals of dtrain.compat, each checked against the installed torch: when a torch
+"""The torch internals of dtrain.process.compat, each checked against the installed torch: when a torch
 release renames or changes one, the test of that one fails here, by name."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dtrain import compat, dist
+from dtrain.process import compat, dist
 
 
 # -- the optimizer's masked step ----------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_tree_helpers_walk_dicts_lists_tuples_and_namedtuples() -> None:
 # -- dispatch modes ----------------------------------------------------------------------------
 
 def test_every_aten_op_dtrain_names_exists(monkeypatch) -> None:
-    import dtrain.sharded_init  # noqa: F401 - builds its op lists on import
+    import dtrain.parallel.sharded_init  # noqa: F401 - builds its op lists on import
 
     assert compat.missing_aten_ops() == []
     monkeypatch.setattr(compat, "_missing_ops", [])

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import launch
 from dtrain import config
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -15,7 +15,7 @@ from conftest import dtrain, latest, launch
 
 from dtrain import cli
 from dtrain.checkpoint import state as ckpt_state
-from dtrain.convert import _first_difference, read_checkpoint
+from dtrain.commands.convert import _first_difference, read_checkpoint
 
 
 def step_folder(run_dir: Path, step: int) -> Path:
@@ -95,7 +95,7 @@ def test_round_trip_keeps_every_value_and_writes_what_a_save_writes(sharded, tmp
     assert checked.returncode == 0 and checked.stdout.startswith("intact"), checked.stdout
 
     # Both load where a checkpoint is named: `dtrain export` gets the same model from each.
-    from dtrain.export import load_model
+    from dtrain.commands.export.command import load_model
     weights = load_model(str(sharded))[0].state_dict()
     for folder in (full, back):
         other = load_model(str(folder))[0].state_dict()
@@ -166,7 +166,7 @@ def test_a_damaged_source_is_refused_and_nothing_is_written(sharded, tmp_path, c
 
 def test_a_conversion_that_reads_back_differently_publishes_nothing(sharded, tmp_path, capsys,
                                                                      monkeypatch) -> None:
-    from dtrain import convert as module
+    from dtrain.commands import convert as module
     real = module.read_checkpoint
 
     def altered(path: str):  # the read-back of the new files (the source is read first)
@@ -184,7 +184,7 @@ def test_a_conversion_that_reads_back_differently_publishes_nothing(sharded, tmp
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(sharded, tmp_path, capsys,
                                                     monkeypatch) -> None:
-    from dtrain import convert as module
+    from dtrain.commands import convert as module
 
     def full_disk(obj, path: str) -> str:
         with open(path, "wb") as f:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from conftest import launch
-from dtrain import synthetic
+from dtrain.data import synthetic
 from dtrain.config import DataConfig
 from dtrain.data import EvalSampler, ImageDataset, ResumableSampler, Transform, build
 

@@ -10,13 +10,13 @@ import pytest
 import torch.distributed as torch_dist
 
 from conftest import REPO, child_env, free_port
-from dtrain import dist
+from dtrain.process import dist
 
 # Rank 1 dies or stalls after the first all-reduce; rank 0 prints how dtrain sees the second.
 SCRIPT = """
 import datetime, os, sys, time
 import torch, torch.distributed as torch_dist
-from dtrain import dist
+from dtrain.process import dist
 rank, fault, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                               world_size=2, timeout=datetime.timedelta(seconds=3))

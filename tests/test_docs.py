@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from dtrain import config, config_docs
+from dtrain import config
+from dtrain.config import docs as config_docs
 
 DOCS = REPO / "docs"
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -22,9 +22,9 @@ import pytest
 from conftest import Result, dtrain, launch
 
 from dtrain import config
-from dtrain.early_stop import EarlyStop
-from dtrain.errors import UserError
-from dtrain.loop_state import TrainState
+from dtrain.loop.early_stop import EarlyStop
+from dtrain.core.errors import UserError
+from dtrain.loop.state import TrainState
 
 PLATEAU = [
     "train.eval_every_steps=4", "train.eval_every_epochs=0",

@@ -13,10 +13,11 @@ from torch import nn
 
 from conftest import TINY, Result, kill_then_resume, latest, launch
 from test_speed import QUIET, reads_per_step
-from dtrain import config, plan
-from dtrain.ema import EmaWeights, has_ema, load_ema_into
-from dtrain.errors import UserError
-from dtrain.export import load_model
+from dtrain import config
+from dtrain.commands.plan import command as plan
+from dtrain.loop.ema import EmaWeights, has_ema, load_ema_into
+from dtrain.core.errors import UserError
+from dtrain.commands.export.command import load_model
 
 EMA = ["train.ema.decay=0.5"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dtrain.config import Config
-from dtrain.env import Env, detect, device_index, expand_nodelist, expand_tasks_per_node, port_for_job
-from dtrain.errors import UserError
+from dtrain.process.env import Env, detect, device_index, expand_nodelist, expand_tasks_per_node, port_for_job
+from dtrain.core.errors import UserError
 from dtrain.run import resolve_run_name
 
 # What Debian's slurm-wlm 22.05 sets, read from a real job: `sbatch --ntasks=2` runs the batch

@@ -111,8 +111,8 @@ def export(*args: str, env: dict | None = None):
 def validation_batch(checkpoint: Path, size: int) -> torch.Tensor:
     """The model's input for `size` samples of the run's validation data, after the on-device
     step, as `dtrain export` builds it."""
-    from dtrain.export import load_model
-    from dtrain.export_onnx import validation_inputs
+    from dtrain.commands.export.command import load_model
+    from dtrain.commands.export.onnx_file import validation_inputs
 
     _, meta = load_model(str(checkpoint))
     inputs = validation_inputs(meta, [f"data.eval_batch_size={size}"]).inputs
@@ -131,7 +131,7 @@ def validation_batch(checkpoint: Path, size: int) -> torch.Tensor:
 def test_onnx_of_each_family_agrees_with_pytorch_under_onnxruntime(family, runs, tmp_path) -> None:
     import onnx
 
-    from dtrain.export import load_model
+    from dtrain.commands.export.command import load_model
 
     run_dir = runs(family)
     out = tmp_path / "model.onnx"
@@ -205,7 +205,7 @@ def test_safetensors_round_trip_into_the_model_dtrain_builds(runs, tmp_path) -> 
     from safetensors import safe_open
 
     from dtrain import config, models
-    from dtrain.export import load_model
+    from dtrain.commands.export.command import load_model
 
     checkpoint = latest(runs("gpt"))
     out = tmp_path / "hf"
@@ -388,8 +388,8 @@ def test_weights_ema_without_ema_in_the_checkpoint_is_one_line_exit_2(runs, tmp_
 def test_weights_ema_exports_the_average_in_both_formats(runs, tmp_path) -> None:
     """From a full and from a sharded FSDP checkpoint: safetensors holds the checkpoint's
     average (not the trained weights), and the ONNX model computes with it."""
-    from dtrain.ema import load_ema_into
-    from dtrain.export import load_model
+    from dtrain.loop.ema import load_ema_into
+    from dtrain.commands.export.command import load_model
 
     run_dir = runs("simple_cnn", extra=("train.ema.decay=0.5",))
     checkpoint = latest(run_dir)

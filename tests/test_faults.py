@@ -167,9 +167,9 @@ def test_data_errors_end_every_rank_promptly_with_one_message(tmp_path, override
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch) -> None:
-    from dtrain.env import Env
-    from dtrain.errors import UserError
-    from dtrain.layout import pick_device
+    from dtrain.process.env import Env
+    from dtrain.core.errors import UserError
+    from dtrain.process.layout import pick_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     env = Env(launcher="torchrun", rank=3, local_rank=3, world_size=4, local_world_size=4)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, child_env, latest, launch, torchrun_cmd
-from dtrain import host_memory
+from dtrain.process import host_memory
 
 
 def test_shard_by_shard_construction_gives_the_whole_models_weights() -> None:
@@ -61,7 +61,7 @@ def test_fsdp_built_by_shards_trains_like_ddp(tmp_path) -> None:
 
 FREE_AFTER_USE = """
 import json, sys
-from dtrain import host_memory
+from dtrain.process import host_memory
 note = host_memory.return_freed_memory() if sys.argv[1] == "call" else None
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096

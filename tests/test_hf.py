@@ -27,7 +27,7 @@ def shapes(count: int, split: str, only: tuple[str, ...] = ()) -> tuple[list, li
     """`count` of the built-in synthetic shapes as PIL images (32x32 RGB) and their labels;
     with `only`, of those classes alone, labelled by their place in it."""
     from PIL import Image
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     images, labels = synthetic.generate(count * (len(synthetic.CLASSES) // len(only) + 1 if only
                                                  else 1), split)
     names = [synthetic.CLASSES[y] for y in labels.tolist()]
@@ -43,7 +43,7 @@ def png(image) -> bytes:
 
 
 def classes(only: tuple[str, ...] = ()):
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     return datasets.ClassLabel(names=list(only or synthetic.CLASSES))
 
 
@@ -87,7 +87,7 @@ def own_cache(tmp_path, monkeypatch) -> None:
 
 def hf_cfg(root: Path, **kwargs):
     from dtrain.config import DataConfig
-    from dtrain.config_data import HFConfig
+    from dtrain.config.data import HFConfig
     columns = kwargs.pop("columns", None)
     hf = HFConfig(columns=columns) if columns else HFConfig()
     return DataConfig(name="hf", root=str(root), batch_size=8, hf=hf, **kwargs)
@@ -276,7 +276,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case) -> None:
 
 def test_unlabelled_test_rows_and_empty_values_are_named(tmp_path) -> None:
     from dtrain.data import hf
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
     images, labels = shapes(6, "train")
     encoded = [png(i) for i in images]
     features = datasets.Features({"image": datasets.Image(), "label": classes()})
@@ -298,7 +298,7 @@ def test_unlabelled_test_rows_and_empty_values_are_named(tmp_path) -> None:
 
 def test_without_the_datasets_library_one_line_names_the_extra(tmp_path, monkeypatch) -> None:
     from dtrain.data import hf
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
     with pytest.raises(UserError) as error:
         hf.library()

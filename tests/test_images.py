@@ -19,7 +19,7 @@ def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext:
     """root/{train,val}/<class>/<n><ext>: the built-in synthetic shapes as image files, `train`
     and `val` per class, resized to `size` (or to each of `sizes` in turn)."""
     from PIL import Image
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     for split, per_class in (("train", train), ("val", val)):
         images, labels = synthetic.generate(per_class * 10, split)
         for i in range(len(labels)):

@@ -186,7 +186,7 @@ def test_resuming_with_a_config_that_trains_something_else_is_refused(small_run,
 
 def test_an_unnamed_run_is_named_after_its_slurm_job_or_its_config() -> None:
     from dtrain import config
-    from dtrain.env import Env
+    from dtrain.process.env import Env
     from dtrain.run import resolve_run_name
     for path in sorted((REPO / "configs").glob("*.yaml")):
         assert config.load(str(path)).run.name is None, f"{path.name} names its run"
@@ -202,7 +202,7 @@ def test_an_unnamed_run_is_named_after_its_slurm_job_or_its_config() -> None:
 
 
 def test_ports_of_jobs_sharing_a_first_node_rarely_collide() -> None:
-    from dtrain.env import port_for_job
+    from dtrain.process.env import port_for_job
     assert port_for_job("12345") != port_for_job("22345")  # equal last four digits
     ports = {port_for_job(str(j)) for j in range(123456, 143456)}
     assert len(ports) == 20000  # any two jobs less than 20000 apart
@@ -334,7 +334,7 @@ def test_sharded_metadata_that_would_run_code_is_refused(tmp_path) -> None:
     marker["files"]["dcp/.metadata"] = (folder / "dcp" / ".metadata").stat().st_size
     # Whoever can write the files can write the marker's digests too: they find accidents, and
     # the allow-list is what stops a crafted file.
-    from dtrain.verify import file_digest, seal
+    from dtrain.files.digests import file_digest, seal
     marker["digests"]["dcp/.metadata"] = file_digest(str(folder / "dcp" / ".metadata"))
     (folder / "COMPLETE").write_text(json.dumps(seal(marker)))
     result = launch(tmp_path / "runs" / "victim", ["ckpt.format=sharded", f"ckpt.resume={folder}"])
@@ -430,7 +430,7 @@ RESNET = ["model.name=resnet_small", "model.args={width: 8}", "train.max_steps=1
 
 def evaluate_on_one_process(weights: dict, width: int = 8) -> tuple[float, float]:
     """The validation loss and accuracy of `weights`, computed here by hand."""
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     from dtrain.models import ResNetSmall
     model = ResNetSmall(num_classes=10, width=width)
     model.load_state_dict(weights)

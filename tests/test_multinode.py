@@ -160,8 +160,8 @@ def alive(pid: int) -> bool:
 
 
 def port_for_job(job_id: str) -> int:
-    """dtrain.env.port_for_job of the code under test (this repository's src/, as the jobs see it)."""
-    proc = subprocess.run([sys.executable, "-c", "import sys; from dtrain.env import port_for_job; "
+    """dtrain.process.env.port_for_job of the code under test (this repository's src/, as the jobs see it)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from dtrain.process.env import port_for_job; "
                            "print(port_for_job(sys.argv[1]))", job_id], env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

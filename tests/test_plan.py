@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY, dtrain, launch
 
-from dtrain import config, plan
+from dtrain import config
+from dtrain.commands.plan import command as plan
 
 # Odd widths (33, 99 rows of the attention projection) make FSDP's shards uneven: rank 0 holds
 # one row more than rank 1, which the plan must count exactly.

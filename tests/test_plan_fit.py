@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, dtrain
 
-from dtrain import config, models, plan, plan_fit
+from dtrain import config, models
+from dtrain.commands.plan import command as plan, fit as plan_fit
 
 sys.path.insert(0, str(REPO / "bench"))
 import cgroup  # noqa: E402

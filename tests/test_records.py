@@ -14,8 +14,9 @@ import pytest
 
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, launch, wait_for_step
 
-from dtrain import cli, config, records
-from dtrain.loop_state import TrainState
+from dtrain import cli, config
+from dtrain.run import records
+from dtrain.loop.state import TrainState
 
 
 def read_rows(out_dir: Path) -> dict[str, dict[str, str]]:

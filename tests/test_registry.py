@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from dtrain import config, data, registry
+from dtrain import config, data
+from dtrain.config import registry
 from dtrain.config import DataConfig
-from dtrain.errors import UserError
+from dtrain.core.errors import UserError
 
 
 @pytest.mark.parametrize("table", registry.TABLES, ids=lambda t: t.key)
@@ -65,7 +66,7 @@ def test_user_paths_and_prefixes_pass_the_config_check() -> None:
 
 
 def test_checking_names_imports_no_torch() -> None:
-    code = ("import sys; from dtrain import config, registry; "
+    code = ("import sys; from dtrain import config; from dtrain.config import registry; "
             "registry.check_names(config.Config()); "
             "registry.describe(); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('dtrain.')))")

@@ -1,4 +1,4 @@
-"""Seeding, and capturing and restoring the random generators (dtrain.rng)."""
+"""Seeding, and capturing and restoring the random generators (dtrain.process.rng)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy
 import torch
 
-from dtrain import rng
+from dtrain.process import rng
 
 
 def _draws() -> tuple:

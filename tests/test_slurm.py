@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, TRAIN, Result, child_env, launch, torchrun_cmd
-from dtrain import slurm
-from dtrain.env import port_for_job
+from dtrain.process import slurm
+from dtrain.process.env import port_for_job
 from slurm_jobs import Job, slurm_env, train_steps
 
 CONFIG = "configs/default.yaml"
@@ -142,7 +142,7 @@ def test_two_torchrun_agents_with_nnodes_2_match_one_torchrun(reference: Result,
 @pytest.mark.slurm
 @needs_cluster
 def test_detection_inside_srun_and_refusal_in_the_batch_script(tmp_path: Path) -> None:
-    probe = "from dtrain.env import detect; e = detect(); print(e.launcher, e.rank, e.world_size, e.master_addr)"
+    probe = "from dtrain.process.env import detect; e = detect(); print(e.launcher, e.rank, e.world_size, e.master_addr)"
     proc = subprocess.run(["srun", "--ntasks=2", "--gpus-per-node=0", "--cpus-per-task=1",
                            sys.executable, "-c", probe], cwd=REPO, env=slurm_env(),
                           capture_output=True, text=True, timeout=120)

@@ -32,7 +32,7 @@ class Captured(logging.Handler):
 
 @pytest.fixture
 def captured():
-    from dtrain.observe import log
+    from dtrain.core.logs import log
     handler, level = Captured(), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -109,7 +109,7 @@ def test_a_stalled_rank_answers_with_its_step_phase_and_stack(tmp_path, captured
 def test_a_rank_that_never_answers_is_still_named() -> None:
     from torch.distributed import TCPStore
 
-    from dtrain.observe import whereabouts
+    from dtrain.process import whereabouts
     store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
     store.set("dtrain/where/at/2", "4|data|")
     started = time.monotonic()

@@ -20,8 +20,8 @@ from conftest import REPO, TINY, Result, child_env, dtrain, launch, wait_for_ste
 from slurm_jobs import Job, slurm_env, train_steps
 from test_slurm import PACED, needs_cluster
 
-from dtrain import sweep_space
-from dtrain.errors import UserError
+from dtrain.commands.sweep import space as sweep_space
+from dtrain.core.errors import UserError
 
 CONFIG = "configs/default.yaml"
 SWEPT = ("optim.lr", "data.batch_size")
@@ -116,7 +116,8 @@ def test_random_trials_are_seeded_in_range_and_a_larger_draw_starts_with_the_sma
 
 
 def test_array_indices_and_the_name_of_an_array_task() -> None:
-    from dtrain import slurm, sweep_launch
+    from dtrain.commands.sweep import launch as sweep_launch
+    from dtrain.process import slurm
     assert sweep_launch.array_spec([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
     assert sweep_launch.array_spec([3]) == "3"
     array_task = {"SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}
@@ -334,7 +335,7 @@ def test_a_killed_trial_is_recorded_failed_and_the_sweep_goes_on(tmp_path: Path)
     assert rows(folder)["at_call=1000"]["attempts"] == "1"
 
     # a trial that another process runs now is left to it, not launched a second time
-    from dtrain.checkpoint.store import RunDirLock
+    from dtrain.files.store import RunDirLock
     lock = RunDirLock(str(folder / "at_call=2"))
     lock.acquire("77")
     try:

@@ -19,7 +19,8 @@ from conftest import dtrain
 # on pytest's captured stderr and says so.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:UserWarning")
 
-from dtrain import cli, tokenize, tokenize_inputs  # noqa: E402
+from dtrain import cli
+from dtrain.commands.tokenize import command as tokenize, inputs as tokenize_inputs  # noqa: E402
 
 DOCS = [
     "Hello, world!\nA second line.\n",

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import descendants, dtrain, kill_then_resume, latest, launch, start
 
-from dtrain import config, plan
+from dtrain import config
+from dtrain.commands.plan import command as plan
 from dtrain.config import DataConfig
 from dtrain.data import build, tokens
 from dtrain.data import sampler as sampler_mod

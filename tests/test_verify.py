@@ -94,7 +94,7 @@ def damaged_full(full_run, tmp_path_factory) -> Path:
 
 
 def test_the_marker_holds_the_digest_of_every_file(full_run) -> None:
-    from dtrain.verify import file_digest
+    from dtrain.files.digests import file_digest
 
     for folder in checkpoints(full_run.run_dir).values():
         m = marker(folder)

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from dtrain import synthetic
+from dtrain.data import synthetic
 from dtrain.models import SimpleCNN
 
 

@@ -165,7 +165,7 @@ def five_classes(cfg):
     """The synthetic images with labels folded into five classes (another head than the
     built-in set's ten), as float images a user's dataset would give."""
     from user_code import Images
-    from dtrain import synthetic
+    from dtrain.data import synthetic
     train = Images(*synthetic.generate(cfg.synthetic.train_size, "train"))
     val = Images(*synthetic.generate(cfg.synthetic.val_size, "val"))
     train.labels, val.labels = train.labels % 5, val.labels % 5

@@ -25,7 +25,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
-    from dtrain.errors import UserError
+    from dtrain.core.errors import UserError
 
     config_path, overrides = args.config, args.overrides
     if args.sweep is not None:  # a sweep's trial: a SLURM array task, or --trial I
@@ -38,8 +38,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sweep_trial(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    from dtrain import slurm, sweep
-    from dtrain.errors import UserError
+    from dtrain.commands.sweep import folder as sweep
+    from dtrain.core.errors import UserError
+    from dtrain.process import slurm
 
     if args.config is not None:
         raise UserError("usage error: --sweep PATH takes the config from the sweep; drop --config")
@@ -56,14 +57,16 @@ def _sweep_trial(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from dtrain import sweep  # no torch to check and launch, only to find GPUs for --nproc
+    # no torch to check and launch, only to find GPUs for --nproc
+    from dtrain.commands.sweep import command as sweep
 
     return sweep.main(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from dtrain import plan, plan_fit
-    from dtrain.errors import UserError
+    from dtrain.commands.plan import command as plan
+    from dtrain.commands.plan import fit as plan_fit
+    from dtrain.core.errors import UserError
 
     limit = plan_fit.parse_size(args.memory_limit) if args.memory_limit is not None else None
     cfg = config.load(args.config, args.overrides)
@@ -77,19 +80,19 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from dtrain import doctor
+    from dtrain.commands import doctor
 
     return doctor.main()
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dtrain import evaluate_cmd
+    from dtrain.commands import evaluate as evaluate_cmd
 
     return evaluate_cmd.main(args)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from dtrain import export
+    from dtrain.commands.export import command as export
 
     path = args.checkpoint if args.checkpoint is not None else export.newest_checkpoint(args.run)
     export.export(path, args.out, args.format, args.weights, args.overrides)
@@ -97,20 +100,23 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from dtrain import convert
+    from dtrain.commands import convert
 
     return convert.main(args)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from dtrain import verify  # no torch: checking a run's checkpoints costs their reading only
+    from dtrain.files import (
+        digests as verify,  # no torch: checking a run's checkpoints costs their reading only
+    )
 
     return verify.main(args)
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from dtrain import records, runs_table
-    from dtrain.errors import UserError
+    from dtrain.commands import runs as runs_table
+    from dtrain.core.errors import UserError
+    from dtrain.run import records
 
     if args.dir is not None and args.out_dir is not None:
         raise UserError("runs error: give the folder as DIR or as --out-dir, not both")
@@ -121,7 +127,7 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from dtrain import tokenize
+    from dtrain.commands.tokenize import command as tokenize
 
     meta = tokenize.tokenize(
         args.inputs,
@@ -382,7 +388,7 @@ def _exit_code(stop: SystemExit) -> int:
 
 
 def _run(handler: Handler, args: argparse.Namespace) -> int:
-    from dtrain.errors import CheckpointError, PeerFailure, TrainingStopped, UserError
+    from dtrain.core.errors import CheckpointError, PeerFailure, TrainingStopped, UserError
 
     try:
         return handler(args)

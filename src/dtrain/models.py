@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain import registry
-from dtrain.config import ModelConfig
-from dtrain.errors import UserError
-from dtrain.imports import load_callable
+from dtrain.config import ModelConfig, registry
+from dtrain.core.errors import UserError
+from dtrain.core.imports import load_callable
 
 
 class ConvBlock(nn.Sequential):

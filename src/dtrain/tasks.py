@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain import compat, registry
-from dtrain.config import TaskConfig
-from dtrain.errors import UserError, first_line
-from dtrain.imports import load_callable
+from dtrain.config import TaskConfig, registry
+from dtrain.core.errors import UserError, first_line
+from dtrain.core.imports import load_callable
+from dtrain.process import compat
 
 
 class Task(Protocol):

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 import dtrain
-from dtrain import dist, rng
 from dtrain.checkpoint import digest
 from dtrain.checkpoint import state as ckpt_state
 from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
@@ -38,7 +37,10 @@ from dtrain.checkpoint.state import (
     META_FILE,
     load_file,
 )
-from dtrain.checkpoint.store import (
+from dtrain.config import Config, to_dict, training_differences
+from dtrain.core.errors import UserError
+from dtrain.core.logs import log
+from dtrain.files.store import (
     LATEST,
     MARKER,
     CheckpointError,
@@ -49,17 +51,15 @@ from dtrain.checkpoint.store import (
     file_sizes,
     read_marker,
 )
-from dtrain.config import Config, to_dict, training_differences
-from dtrain.errors import UserError
-from dtrain.layout import Layout
-from dtrain.loop_state import TrainState
-from dtrain.observe import log
 from dtrain.parallel import unwrap
+from dtrain.process import dist, rng
+from dtrain.process.layout import Layout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from dtrain.ema import EmaWeights
+    from dtrain.loop.ema import EmaWeights
+    from dtrain.loop.state import TrainState
 
 __all__ = [
     "CheckpointError",

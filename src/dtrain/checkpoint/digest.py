@@ -1,4 +1,4 @@
-"""Content digests while checkpoint files are written and read (see `dtrain.verify`).
+"""Content digests while checkpoint files are written and read (see `dtrain.files.digests`).
 
 Writing: `torch.save` and DCP write through `HashingFile`, which hashes the bytes on their way to
 the file, so no file is read back. Reading: a file's digest is computed in a thread while torch
@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from dtrain.observe import log
-from dtrain.verify import (
+from dtrain.core.logs import log
+from dtrain.files.digests import (
     ALGORITHM,
     Damaged,
     HashingFile,
@@ -177,7 +177,7 @@ def verifying_reader(reader: Any, folder: str, prefix: str, expected: dict[str, 
 def checked_bytes(folder: str, name: str, data: bytes, expected: dict[str, str] | None) -> bytes:
     """`data`, read from `name` of `folder`, after checking its digest (small files: read whole)."""
     if expected and name in expected:
-        from dtrain.verify import new_hash
+        from dtrain.files.digests import new_hash
 
         found = new_hash()
         found.update(data)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import dist
 from dtrain.checkpoint import state as ckpt_state
-from dtrain.errors import UserError, first_line
-from dtrain.verify import MARKER, read_marker, verify_files
+from dtrain.core.errors import UserError, first_line
+from dtrain.files.digests import MARKER, read_marker, verify_files
+from dtrain.process import dist
 
 
 def open_checkpoint(path: str) -> tuple[str, str]:

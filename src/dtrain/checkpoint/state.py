@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from dtrain import compat, dist
 from dtrain.checkpoint import digest
-from dtrain.errors import UserError, first_line
-from dtrain.verify import HashingFile
+from dtrain.core.errors import UserError, first_line
+from dtrain.files.digests import HashingFile
+from dtrain.process import compat, dist
 
 FULL_FILE = "checkpoint.pt"
 META_FILE = "meta.pt"

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtrain import registry
-from dtrain.config import DataConfig
+from dtrain.config import DataConfig, registry
 from dtrain.data.images import ImageDataset, Normalize, Transform
 from dtrain.data.loaders import (
     Datasets,

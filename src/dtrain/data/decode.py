@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtrain.errors import UserError, first_line
+from dtrain.core.errors import UserError, first_line
 
 
 class BadSample(UserError):
@@ -155,7 +155,7 @@ class SkipsBadSamples:
                     raise
                 if candidate not in self._warned:
                     self._warned.add(candidate)
-                    from dtrain.observe import log
+                    from dtrain.core.logs import log
 
                     log.warning(f"{bad} -- skipped (data.on_bad_sample=skip)")
                 continue

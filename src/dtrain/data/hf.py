@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dtrain import dist
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError, first_line
+from dtrain.core.imports import require
 from dtrain.data.decode import (
     SkipsBadSamples,
     arrow_pixels,
@@ -47,8 +48,7 @@ from dtrain.data.images import (
 )
 from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index
-from dtrain.errors import UserError, first_line
-from dtrain.imports import require
+from dtrain.process import dist
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
 VAL_SPLITS = ("validation", "valid", "val", "test")

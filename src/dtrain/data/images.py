@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from dtrain import dist, synthetic
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
+from dtrain.data import synthetic
 from dtrain.data.decode import BadSample, SkipsBadSamples, bad_sample, decode
 from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index, sample_random
-from dtrain.errors import UserError
+from dtrain.process import dist
 
 CROP_PADDING = 4
 NATIVE_MAX = 64  # images this small (and all of one square size) keep their own size

@@ -11,11 +11,11 @@ from typing import Any, Protocol, TypedDict
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from dtrain import compat, rng
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
+from dtrain.core.logs import log
 from dtrain.data.sampler import EvalSampler, Prefix, ResumableSampler
-from dtrain.errors import UserError
-from dtrain.observe.logs import log
+from dtrain.process import compat, rng
 
 
 class SizedDataset(Protocol):

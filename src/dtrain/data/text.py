@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
 from dtrain.data.loaders import Datasets
 from dtrain.data.tokens import Span, Windows, count_windows, sampled
-from dtrain.errors import UserError
 
 VOCAB_SIZE = 256
 DEFAULT_SEQ_LEN = 256

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dtrain import dist
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
 from dtrain.data.decode import BadSample
 from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, index_of
-from dtrain.errors import UserError
+from dtrain.process import dist
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # What a window becomes as a tensor: torch has few uint16/uint32 operations; uint8 stays (bytes).

@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
+from dtrain.core.imports import load_callable
 from dtrain.data.loaders import Datasets, SizedDataset
 from dtrain.data.sampler import SampleKey, index_of
-from dtrain.errors import UserError
-from dtrain.imports import load_callable
 
 
 class IndexOnly(Dataset):

@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dtrain.core.logs import ConsoleHandler, attach_log_files, log, setup_logging
     from dtrain.observe.figures import (
         PEAK_FLOPS,
         StartupClock,
@@ -20,10 +21,9 @@ if TYPE_CHECKING:
         peak_flops,
         process_start_time,
     )
-    from dtrain.observe.logs import ConsoleHandler, attach_log_files, log, setup_logging
     from dtrain.observe.progress import Progress, clock, format_record
-    from dtrain.observe.runlog import RunLog
-    from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink, build_sinks
+    from dtrain.observe.runlog import RunLog, build_sinks
+    from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink
 
 _MODULE_OF = {
     **dict.fromkeys(
@@ -35,12 +35,14 @@ _MODULE_OF = {
             "peak_flops",
             "process_start_time",
         ],
-        "figures",
+        "dtrain.observe.figures",
     ),
-    **dict.fromkeys(["ConsoleHandler", "attach_log_files", "log", "setup_logging"], "logs"),
-    **dict.fromkeys(["Progress", "clock", "format_record"], "progress"),
-    "RunLog": "runlog",
-    **dict.fromkeys(["JsonlSink", "Record", "Sink", "TensorBoardSink", "build_sinks"], "sinks"),
+    **dict.fromkeys(
+        ["ConsoleHandler", "attach_log_files", "log", "setup_logging"], "dtrain.core.logs"
+    ),
+    **dict.fromkeys(["Progress", "clock", "format_record"], "dtrain.observe.progress"),
+    **dict.fromkeys(["RunLog", "build_sinks"], "dtrain.observe.runlog"),
+    **dict.fromkeys(["JsonlSink", "Record", "Sink", "TensorBoardSink"], "dtrain.observe.sinks"),
 }
 
 __all__ = [
@@ -70,6 +72,6 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

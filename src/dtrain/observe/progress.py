@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any, TextIO
 
-from dtrain.observe.logs import ConsoleHandler, log
+from dtrain.core.logs import ConsoleHandler, log
 
 
 class Progress:

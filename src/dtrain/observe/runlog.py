@@ -3,14 +3,16 @@ and evaluations to the console and log files."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from dtrain.config import Config, flatten, to_dict
-from dtrain.observe.logs import log
+from dtrain.core.logs import log
 from dtrain.observe.progress import Progress, format_record
-from dtrain.observe.sinks import Record, Sink, TensorBoardSink, build_sinks
+from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink
+from dtrain.observe.trackers import build_trackers
 
 
 class RunLog:
@@ -96,3 +98,16 @@ class RunLog:
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             sink.close()
+
+
+def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | None) -> list[Sink]:
+    """The sinks the config asks for, on rank 0. `superseded` is where a rewind moved the
+    abandoned history (records dropped on resume go there too)."""
+    sinks: list[Sink] = [
+        JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resumed_step, superseded)
+    ]
+    if cfg.log.tensorboard:
+        sinks.append(TensorBoardSink(os.path.join(run_dir, "tb"), resumed_step))
+    # After metrics.jsonl is cut back to the resumed step: the trackers hold what it keeps.
+    sinks.extend(build_trackers(cfg, run_dir, resumed_step, superseded))
+    return sinks

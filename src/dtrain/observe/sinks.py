@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from dtrain.config import Config
-
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
@@ -51,21 +49,6 @@ class Sink(Protocol):
 
     def close(self) -> None:
         """Release files and connections; called once, also after a failed run."""
-
-
-def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | None) -> list[Sink]:
-    """The sinks the config asks for, on rank 0. `superseded` is where a rewind moved the
-    abandoned history (records dropped on resume go there too)."""
-    sinks: list[Sink] = [
-        JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resumed_step, superseded)
-    ]
-    if cfg.log.tensorboard:
-        sinks.append(TensorBoardSink(os.path.join(run_dir, "tb"), resumed_step))
-    # After metrics.jsonl is cut back to the resumed step: the trackers hold what it keeps.
-    from dtrain.observe.trackers import build_trackers
-
-    sinks.extend(build_trackers(cfg, run_dir, resumed_step, superseded))
-    return sinks
 
 
 class JsonlSink:
@@ -167,8 +150,8 @@ class TensorBoardSink:
     def session_start(self, config: Mapping[str, Any]) -> None:
         """The HParams tab's row for this run, from its first record on (observe/tb_hparams.py):
         a run still going on, killed or failed is in the table too."""
+        from dtrain.files.sweeps import trial_of
         from dtrain.observe import tb_hparams
-        from dtrain.runs_table import trial_of
 
         summary = tb_hparams.session_start(config, trial_of(os.path.dirname(self.log_dir)))
         self._add_summaries([summary], 0)
@@ -177,8 +160,8 @@ class TensorBoardSink:
         """The HParams tab's columns (a sweep's swept keys first) and the final and best
         figures as `hparam/<name>` scalars, written by the run's own writer
         (SummaryWriter.add_hparams would open a second event file)."""
+        from dtrain.files.sweeps import trial_of
         from dtrain.observe import tb_hparams
-        from dtrain.runs_table import trial_of
 
         trial = trial_of(os.path.dirname(self.log_dir))
         metrics = {f"hparam/{key}": value for key, value in final.items()}

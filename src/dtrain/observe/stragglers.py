@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
-from dtrain.observe.logs import log
+from dtrain.core.logs import log
 
 RATIO = 1.5
 CHECKS = 3

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
 
-    from dtrain.runs_table import TrialSweep
+    from dtrain.files.sweeps import TrialSweep
 
 # The columns besides the swept keys: what tells most runs apart.
 MAIN_KEYS = (

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dtrain.config import Config, flatten, to_dict
-from dtrain.errors import UserError, first_line
-from dtrain.observe.logs import log
+from dtrain.core.errors import UserError, first_line
+from dtrain.core.logs import log
 from dtrain.observe.sinks import Record
 
 # name -> (module, class, extra that installs its library).
@@ -157,7 +157,7 @@ def run_info(cfg: Config, run_dir: str) -> RunInfo:
     import torch
 
     import dtrain
-    from dtrain import dist
+    from dtrain.process import dist
 
     out_dir = os.path.abspath(cfg.run.out_dir)
     name = cfg.run.name or "default"
@@ -340,7 +340,7 @@ class TrackerSink:
             self.closing.wait(SEND_INTERVAL_S)
         if self.opened and not self.failed:
             if status == "finished":
-                from dtrain import signals
+                from dtrain.core import signals
 
                 status = "preempted" if signals.received() else "finished"
             self._guarded("cannot close the tracker run", self.tracker.finish, status)
@@ -403,7 +403,7 @@ class TrackerSink:
     def _end(self, end: _End) -> None:
         summary = dict(end.summary)
         # The path is recorded, the checkpoint is not uploaded.
-        from dtrain.checkpoint.store import Store
+        from dtrain.files.store import Store
 
         best = Store(self.info.run_dir).best(*self.info.monitor)
         if best is not None:

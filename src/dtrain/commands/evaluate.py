@@ -1,0 +1,386 @@
+"""`dtrain eval`: a checkpoint's metrics, computed by the evaluation that training runs.
+
+    dtrain eval --run DIR [--checkpoint latest|best|PATH] [--weights model|ema]
+                [--config X] [section.key=value ...]
+
+The run's pieces are built from `DIR/config.yaml` (with the keys of `--config X` and the
+overrides on top) by the training code itself (`run.build_pieces`); the checkpoint's model
+weights are loaded the way a resume loads them (every file read is checked against the marker's
+digests; a sharded checkpoint is resharded by DCP to this launch's world size); and
+`Trainer.evaluate` computes the metrics, each validation sample counted once over all ranks.
+
+Read-only: the run's lock is not taken (the training job may hold it), the checkpoint store is
+only listed (never `prepare`d, which moves folders), and nothing in DIR is written but
+`DIR/evals/<checkpoint>-<time>.json`, by rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import config, data, run
+from dtrain.checkpoint.load import open_checkpoint
+from dtrain.checkpoint.state import (
+    FULL_FILE,
+    META_FILE,
+    dcp_model_shapes,
+    load_checked,
+    read_sharded,
+    shape_mismatch,
+)
+from dtrain.config import Config
+from dtrain.core.errors import UserError, first_line
+from dtrain.files.store import MARKER, Store, fsync_dir, read_marker
+from dtrain.loop.trainer import Trainer
+from dtrain.observe import StartupClock, log, setup_logging
+from dtrain.parallel import unwrap
+from dtrain.process import dist
+from dtrain.process import env as env_mod
+from dtrain.process import layout as layout_mod
+from dtrain.process.compat import tree_map_tensors
+from dtrain.process.layout import Layout
+
+EVALS = "evals"
+
+
+# ---------------------------------------------------------------------------------------------
+# The config: the run's own, with --config and the overrides on top
+
+
+def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> Config:
+    """`DIR/config.yaml` (the resolved config the run trained with), the mapping of `config_path`
+    merged over it, then the `section.key=value` overrides; checked like any config."""
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isdir(run_dir):
+        raise UserError(f"eval error: --run {run_dir}: no such directory")
+    if not os.path.isfile(saved):
+        raise UserError(
+            f"eval error: --run {run_dir}: not a run directory (it has no config.yaml); "
+            f"name the folder a training run wrote"
+        )
+    merged = config.read_yaml(saved)
+    if config_path:
+        _merge(merged, config.read_yaml(config_path))
+    for text in overrides:
+        key, value = config.parse_override(text)
+        config.set_dotted(merged, key, value)
+    cfg = config.from_dict(merged)
+    # Where the weights come from is the checkpoint: the files a fine-tuning run started from
+    # (model.init_from, model.pretrained) are neither needed nor checked here.
+    cfg.model.init_from, cfg.model.pretrained = None, False
+    return cfg
+
+
+def _merge(base: dict, top: dict) -> None:
+    """`top`'s keys into `base`, section by section; a model's `args` is one value (as in
+    overrides), replaced whole."""
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "args":
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def eval_layout(cfg: Config, env: env_mod.Env) -> Layout:
+    """The training layout at this launch's world size. HSDP's replica count is a training
+    choice that need not divide another world size: evaluation shards over all ranks then."""
+    fsdp = cfg.parallel.fsdp
+    if cfg.parallel.mode == "fsdp" and env.world_size % fsdp.hybrid_replicas:
+        fsdp.hybrid_replicas = 1
+    return layout_mod.resolve(cfg, env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which checkpoint, and its weights
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The checkpoint to evaluate, as rank 0 found it."""
+
+    folder: str
+    fmt: str  # "full" | "sharded"
+    file: str | None  # the full checkpoint's file
+    step: int | None
+    saved_world_size: int | None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.folder))
+
+
+def choose(run_dir: str, which: str, cfg: Config) -> Chosen:
+    """`latest` (the last complete checkpoint saved, as resuming counts it), `best` (by
+    ckpt.monitor, as rotation keeps it) or a PATH: its folder or checkpoint.pt. Its save must
+    have completed and every file it lists must have its size."""
+    store = Store(run_dir)  # listing only: Store.prepare would move folders
+    if which == "latest":
+        saved = store.complete()
+        if not saved:
+            raise UserError(
+                f"eval error: --checkpoint latest: no complete checkpoint in {store.dir}; "
+                f"name one with --checkpoint PATH"
+            )
+        path = saved[0].path
+    elif which == "best":
+        monitor, mode = cfg.ckpt.monitor, cfg.ckpt.monitor_mode
+        best = store.best(monitor, mode)
+        if best is None:
+            raise UserError(
+                f"eval error: --checkpoint best: no checkpoint in {store.dir} records a value "
+                f"of ckpt.monitor {monitor}; use --checkpoint latest or a PATH"
+            )
+        path = best.path
+    else:
+        path = which
+        if not os.path.exists(path):
+            raise UserError(
+                f"eval error: --checkpoint {path} not found; name a checkpoint folder (or its "
+                f"{FULL_FILE}), latest or best"
+            )
+        folder_like = os.path.isdir(path) and any(
+            os.path.exists(os.path.join(path, f)) for f in (MARKER, FULL_FILE, META_FILE)
+        )
+        if not folder_like and os.path.basename(path) != FULL_FILE:
+            raise UserError(
+                f"eval error: --checkpoint {path} is not a checkpoint (no {MARKER} marker); "
+                f"name a folder of {os.path.join(run_dir, 'checkpoints')}, latest or best"
+            )
+    folder, fmt = open_checkpoint(path)
+    marker = read_marker(folder) or {}
+    if fmt == "full":
+        file = os.path.join(folder, FULL_FILE) if marker or os.path.isdir(path) else path
+    else:
+        file = None
+    return Chosen(folder, fmt, file, marker.get("step"), marker.get("world_size"))
+
+
+def load_weights(model: nn.Module, chosen: Chosen) -> None:
+    """The checkpoint's model weights into `model` (wrapped for this launch), as a resume
+    loads them: a full checkpoint is read by rank 0 (memory-mapped) and sent to the ranks, each
+    its part; a sharded one is read by every rank, its own part, through DCP. A checkpoint of
+    another model is refused with resuming's line before anything is loaded."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    ours = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+
+    def refuse_other_model(theirs: dict[str, tuple[int, ...]]) -> None:
+        problem = shape_mismatch(ours, theirs)
+        if problem:
+            raise UserError(f"checkpoint error: {chosen.folder}: {problem}")
+
+    if chosen.fmt == "full":
+        held: dict[str, Any] = {}  # rank 0's memory-mapped weights; never broadcast whole
+
+        def read() -> None:
+            assert chosen.file is not None
+            saved = load_checked(chosen.file, mmap=True)
+            weights = saved.get("model")
+            if not isinstance(weights, dict):
+                raise UserError(
+                    f"eval error: {chosen.file} holds no model weights (not a dtrain checkpoint)"
+                )
+            refuse_other_model({k: tuple(v.shape) for k, v in weights.items()})
+            held["model"] = weights
+
+        dist.on_main(read)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
+        try:
+            set_model_state_dict(model, held.get("model", {}), options=options)
+        except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+            raise UserError(f"checkpoint error: {chosen.folder}: {first_line(e)}") from None
+        return
+    dist.on_main(lambda: refuse_other_model(dcp_model_shapes(chosen.folder)))
+    # New tensors of this launch's shapes and shardings, filled by DCP, applied only when all
+    # were read (DTensors keep their placement through empty_like).
+    staged = {"model": tree_map_tensors(torch.empty_like, get_model_state_dict(model))}
+    try:
+        with warnings.catch_warnings():
+            # DCP's note that one process reads alone: what evaluating in one process means.
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single"
+            )
+            read_sharded(chosen.folder, staged)
+    except UserError:
+        if not os.path.isdir(chosen.folder):
+            raise UserError(
+                f"eval error: {chosen.folder} was removed while it was read (the training "
+                f"that is running rotated it out, ckpt.keep_last); run dtrain eval again"
+            ) from None
+        raise
+    set_model_state_dict(model, staged["model"])
+
+
+def check_ema(chosen: Chosen) -> None:
+    """`--weights ema` of a checkpoint without them: refused before anything is built."""
+    from dtrain.loop import ema  # only `--weights ema` needs it
+
+    if not ema.has_ema(chosen.folder):
+        raise UserError(
+            f"eval error: {chosen.folder} was saved without EMA weights (train.ema.decay "
+            f"unset); use --weights model"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation training runs
+
+
+class _Evaluation(Trainer):
+    """`Trainer.evaluate` itself, on a model that only evaluates: what evaluate reads, without
+    the optimizer, schedule, checkpointer and records a Trainer owns (and the run directory's
+    writes those would make)."""
+
+    def __init__(self, cfg: Config, layout: Layout, pieces: run.Pieces) -> None:
+        self.cfg, self.layout, self.model, self.task = cfg, layout, pieces.model, pieces.task
+        self.datasets, self.loaders = pieces.datasets, pieces.loaders
+        self.device = layout.device
+
+    def _consistent_buffers(self) -> None:
+        """A checkpoint's buffers are the same on every rank already (averaged before the
+        save): averaging them again could only add rounding at some world sizes."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The result
+
+
+def describe_data(cfg: Config, val_samples: int) -> dict[str, Any]:
+    described: dict[str, Any] = {"name": cfg.data.name}
+    if cfg.data.name == "synthetic":
+        described["val_size"] = cfg.data.synthetic.val_size
+    else:
+        described["root"] = os.path.abspath(cfg.data.root)
+    described["val_samples"] = val_samples
+    return described
+
+
+def write_result(run_dir: str, name: str, result: dict[str, Any]) -> str:
+    """`DIR/evals/<name>-<time>.json`, atomically, never over an earlier result (a second
+    evaluation in the same second gets `-2`, ...)."""
+    folder = os.path.join(run_dir, EVALS)
+    os.makedirs(folder, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    tmp = os.path.join(folder, f".tmp-{name}-{stamp}-{os.getpid()}.json")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    suffix = 1
+    try:
+        while True:
+            again = "" if suffix == 1 else f"-{suffix}"
+            final = os.path.join(folder, f"{name}-{stamp}{again}.json")
+            try:
+                os.link(tmp, final)  # complete the moment it has its name; fails if taken
+                break
+            except FileExistsError:
+                suffix += 1
+            except OSError:  # a filesystem without hard links: a rename, after looking
+                if os.path.exists(final):
+                    suffix += 1
+                    continue
+                os.replace(tmp, final)
+                break
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fsync_dir(folder)
+    return final
+
+
+def _line(chosen: Chosen, metrics: dict[str, float], samples: int, path: str) -> str:
+    shown = " ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+    return (
+        f"{chosen.name}: {shown} | {samples} validation samples, world size "
+        f"{dist.world_size()} -> {path}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str, list[str]]:
+    """The run directory (`--run DIR`, or the one word without `=`) and the overrides."""
+    dirs = [w for w in words if "=" not in w]
+    if run_option is not None:
+        dirs.insert(0, run_option)
+    if len(dirs) != 1:
+        got = f" (got {', '.join(dirs)})" if dirs else ""
+        raise UserError(
+            f"usage error: dtrain eval takes one run directory, as --run DIR or DIR{got}; "
+            f"overrides are section.key=value"
+        )
+    return dirs[0], [w for w in words if "=" in w]
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir, overrides = run_dir_and_overrides(args.run, args.overrides)
+    cfg = eval_config(run_dir, args.config, overrides)
+    env = env_mod.detect()
+    layout = eval_layout(cfg, env)
+    dist.init(layout, cfg.dist)
+    setup_logging(dist.rank(), cfg.log.all_ranks)
+    loaders: data.Loaders | None = None
+    try:
+        # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
+        chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg))
+        if args.weights == "ema":
+            dist.on_main(lambda: check_ema(chosen))
+        pieces = run.build_pieces(cfg, layout, StartupClock())
+        loaders = pieces.loaders
+        load_weights(pieces.model, chosen)
+        if args.weights == "ema":
+            from dtrain.loop import ema
+
+            # The checkpoint's buffers (BatchNorm statistics) stay: training evaluates its
+            # average with the model's own, as here.
+            ema.load_ema_into(pieces.model, chosen.folder)
+        samples = len(pieces.datasets.val)
+        log.info(
+            f"evaluating {chosen.folder} (step {chosen.step}, {chosen.fmt}, saved at world size "
+            f"{chosen.saved_world_size}; {args.weights} weights) on {cfg.data.name} "
+            f"({samples} validation samples) at world size {dist.world_size()}"
+        )
+        metrics = _Evaluation(cfg, layout, pieces).evaluate()
+        if args.weights == "ema":  # the names the run's own evaluations of the average have
+            from dtrain.loop.ema import SUFFIX
+
+            metrics = {k + SUFFIX: v for k, v in metrics.items()}
+        if dist.is_main():
+            result = {
+                **metrics,
+                "checkpoint": os.path.abspath(chosen.folder),
+                "step": chosen.step,
+                "weights": args.weights,
+                "data": describe_data(cfg, samples),
+                "world_size": dist.world_size(),
+                "config": args.config,
+                "overrides": overrides,
+                "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            }
+            path = write_result(run_dir, chosen.name, result)
+            print(_line(chosen, metrics, samples, path), flush=True)
+        dist.barrier()
+        return 0
+    except UserError as e:
+        dist.announce_abort(str(e))  # ranks left waiting in a collective stop with this line
+        raise
+    finally:
+        data.close_loaders(loaders)
+        dist.shutdown()

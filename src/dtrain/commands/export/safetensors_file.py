@@ -1,0 +1,110 @@
+"""`dtrain export --format safetensors`: the weights as `model.safetensors`, with the resolved
+`config.yaml` beside it, for the Hugging Face world.
+
+The file's metadata says what model the weights are for: `model_name`, `model_args` and
+`model_info` (what the data told the builder: classes, channels, vocabulary, ...) as JSON
+strings, and `dtrain_version`; and where they come from: `weights` (model or ema), the
+checkpoint's `step` and its last evaluation's `metrics` (JSON). With them,
+`dtrain.models.build(cfg.model, info, seed)` rebuilds the model and
+`load_state_dict(safetensors.torch.load_file(path))` (strict) fills it. Weights tied to each
+other (GPT's output head is its token embedding) are written under each of their names, as
+copies: safetensors refuses tensors that share memory, and a strict load needs every name;
+`tied` in the metadata lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+import dtrain
+from dtrain import config, models
+from dtrain.commands.export.check import CheckFailed, difference, discard, report
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+
+
+def paths(out: str) -> tuple[str, str]:
+    """The weights file and the config beside it: `out` itself when it names a .safetensors
+    file, else `out`/model.safetensors (a folder)."""
+    if out.endswith(".safetensors"):
+        file = out
+    else:
+        file = os.path.join(out, WEIGHTS_FILE)
+    return file, os.path.join(os.path.dirname(os.path.abspath(file)), CONFIG_FILE)
+
+
+def export(model: nn.Module, meta: dict, path: str, out: str, weights: str = "model") -> float:
+    """Write the weights and config, load them back as a user would, and compare."""
+    from safetensors.torch import save_file
+
+    file, config_file = paths(out)
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    state = model.state_dict()
+    tensors, tied = untied(state)
+    cfg = config.from_dict(meta["config"])
+    metadata = {
+        "format": "pt",
+        "dtrain_version": dtrain.__version__,
+        "model_name": json.dumps(cfg.model.name),
+        "model_args": json.dumps(cfg.model.args, default=str),
+        "model_info": json.dumps(meta["model_info"], default=str),
+        "tied": json.dumps(tied),
+        "weights": weights,
+        "step": str(meta.get("train_state", {}).get("step", "")),
+        "metrics": json.dumps(meta.get("metrics") or {}, default=str),
+    }
+    save_file(tensors, file, metadata=metadata)
+    # safetensors creates the file readable by its owner only; a file to hand on is readable as
+    # the user's other files are (the umask says how).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+    with open(config_file, "w", encoding="utf-8") as f:
+        f.write(config.dump(cfg))
+    reloaded = load(file, config_file)
+    found = difference(list(state.values()), [reloaded[k] for k in state])
+    if found != 0:  # weights are copied, not computed: anything but equality is a fault
+        discard(file, config_file)
+        raise CheckFailed(
+            f"export error: the weights read back from {file} differ from the checkpoint's "
+            f"by {found:.3g}; it was removed"
+        )
+    return report(path, file, f"safetensors, {CONFIG_FILE} beside it", found, "weights")
+
+
+def untied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """The state dict with every tensor its own contiguous memory, and the groups of names that
+    shared one (tied weights)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel() == 0:  # empty tensors share no memory, whatever their pointer says
+            groups[(name,)] = [name]
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        groups.setdefault(key, []).append(name)
+    copies = {name for names in groups.values() for name in names[1:]}
+    tensors = {
+        name: tensor.detach().clone() if name in copies else tensor.detach().contiguous()
+        for name, tensor in state.items()
+    }
+    return tensors, [names for names in groups.values() if len(names) > 1]
+
+
+def load(file: str, config_file: str) -> dict[str, Any]:
+    """The model rebuilt from `config_file` and the file's metadata, filled by a strict
+    load_state_dict of `safetensors.torch.load_file(file)`: its state dict."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(file, framework="pt") as f:
+        info = json.loads(f.metadata()["model_info"])
+    cfg = config.load(config_file)
+    model = models.build(cfg.model, info, cfg.run.seed)
+    model.load_state_dict(load_file(file), strict=True)
+    return model.state_dict()

@@ -1,0 +1,338 @@
+"""`dtrain plan`: what a config will do, worked out before launching it.
+
+Nothing here starts a process group or reads training data. Dataset sizes come from the config
+(synthetic), from the known sizes of the built-in datasets, or from counting files (imagefolder).
+The model is built on the meta device, so even a model far larger than this machine costs
+nothing; activations come from a forward on fake tensors (shapes only, no memory) with hooks that
+add up what autograd saves for the backward.
+
+The state figures (parameters, gradients, optimizer state) are exact: they follow FSDP2's
+sharding rule (dim 0 split into `ceil(d0 / shards)` rows per rank) and the optimizers' state
+layout, and equal what a run logs as `state_bytes`. Activations, buffers and communication
+volumes are estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import tasks
+from dtrain.commands.plan import facts as plan_facts
+from dtrain.commands.plan import footprint
+from dtrain.commands.plan.footprint import activation_bytes, checkpoint_size, state_bytes
+from dtrain.config import Config, dump
+from dtrain.core.errors import UserError, first_line
+from dtrain.data.sampler import epoch_steps
+
+
+@dataclass
+class Memory:
+    """Per-rank bytes for one parallel mode and precision."""
+
+    mode: str
+    precision: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int | None  # None when the forward could not be traced
+    buffers: int  # DDP gradient buckets, or FSDP's gathered parameters and unsharded gradients
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + (self.activations or 0) + self.buffers
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    world_size: int
+    nproc: int
+    nnodes: int
+    device: str
+    backend: str | None
+    device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
+    train_size: int
+    val_size: int
+    sample: str  # what one sample is, e.g. "3x32x32 images, 10 classes"
+    data_notes: list[str]  # e.g. the image size and transform a run would choose
+    model_bytes: int  # parameters and buffers of the whole model
+    largest_tensor: tuple[str, int]  # name and bytes of the largest parameter or buffer
+    effective_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    num_params: int
+    num_blocks: int
+    checkpoint_format: str
+    checkpoint_bytes: int
+    checkpoints_kept: int
+    fsdp_shards: int
+    memory: list[Memory]
+    comm_bytes: dict[str, int]  # mode -> bytes sent per rank per optimizer step
+    state_bytes_unsharded: int
+    activation_note: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def memory_for(self, mode: str, precision: str | None = None) -> Memory:
+        precision = precision or self.cfg.train.precision
+        return next(m for m in self.memory if m.mode == mode and m.precision == precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data sizes without data
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting it together
+
+
+def _activations(
+    model: nn.Module, cfg: Config, info: dict[str, Any], low: str
+) -> tuple[dict[tuple[str, str], int | None], str]:
+    """Activation bytes per (mode, precision), and a note when the forward cannot be traced."""
+    task = tasks.build(cfg.task, info)
+    make = getattr(task, "example_input", None)
+    try:
+        if make is None:
+            raise ValueError("the task has no example_input(info, batch_size)")
+        traced: dict[str, int | None] = dict(
+            activation_bytes(
+                model,
+                cfg,
+                lambda n: make(info, n),
+                torch.float16 if low == "fp16" else torch.bfloat16,
+            )
+        )
+        note = ""
+    except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
+        traced = {"fp32": None, "autocast": None, "cast": None}
+        first = first_line(e)
+        note = f"activations not estimated: the forward could not be traced ({first[:120]})"
+    return {
+        ("ddp", "fp32"): traced["fp32"],
+        ("fsdp", "fp32"): traced["fp32"],
+        ("ddp", low): traced["autocast"],
+        ("fsdp", low): traced["cast"],
+    }, note
+
+
+def _too_big(plan: Plan) -> str | None:
+    cfg = plan.cfg
+    chosen = plan.memory_for(_mode(cfg))
+    if chosen.total <= plan.device_bytes:
+        return None
+    other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
+    hint = (
+        f"; {other.mode} would need {size_text(other.total)}" if other.total < chosen.total else ""
+    )
+    options = [
+        o
+        for o, applies in (
+            ("parallel.mode=fsdp", chosen.mode != "fsdp" and plan.world_size > 1),
+            ("train.precision=bf16", cfg.train.precision == "fp32"),
+            ("model.activation_checkpointing=true", not cfg.model.activation_checkpointing),
+            ("a smaller data.batch_size", True),
+        )
+        if applies
+    ]
+    return (
+        f"the estimate for this run, {size_text(chosen.total)} per rank, exceeds the "
+        f"{size_text(plan.device_bytes)} a rank has on {plan.device}{hint}; consider "
+        f"{', '.join(options)}"
+    )
+
+
+def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
+    """Everything `report` prints, as numbers."""
+    if nproc is None:
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if nproc < 1 or nnodes < 1:
+        raise UserError("plan error: --nproc and --nnodes must be >= 1")
+    facts = plan_facts.model_facts(cfg, nproc, nnodes)
+    layout, shards, shapes, model = facts.layout, facts.shards, facts.shapes, facts.model
+    world = layout.world_size
+    steps = epoch_steps(layout, cfg, len(shapes.train))
+    ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
+    low = "fp16" if cfg.train.precision == "fp16" else "bf16"
+    activations, note = _activations(model, cfg, shapes.info, low)
+    memory = []
+    for precision in ("fp32", low):
+        itemsize = 4 if precision == "fp32" else 2
+        held = footprint.parallel_buffers(
+            cfg, world, shards, facts.trainable, facts.root_bytes, facts.largest_block, itemsize
+        )
+        for mode, state, buffers in (
+            ("ddp", ddp_state, held["ddp"]),
+            ("fsdp", fsdp_state, held["fsdp"]),
+        ):
+            memory.append(
+                Memory(
+                    mode,
+                    precision,
+                    state["params"],
+                    state["grads"],
+                    state["optimizer"],
+                    activations[(mode, precision)],
+                    buffers,
+                )
+            )
+
+    fmt = layout.checkpoint_format
+    plan = Plan(
+        cfg=cfg,
+        world_size=world,
+        nproc=nproc,
+        nnodes=nnodes,
+        device=facts.device,
+        backend=layout.backend,
+        device_bytes=facts.device_bytes,
+        train_size=len(shapes.train),
+        val_size=len(shapes.val),
+        sample=_describe_sample(cfg, shapes.info),
+        data_notes=shapes.notes,
+        model_bytes=_tensor_bytes(model),
+        largest_tensor=_largest_tensor(model),
+        effective_batch=layout.effective_batch,
+        steps_per_epoch=steps.per_epoch,
+        total_steps=steps.total,
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_blocks=len(facts.blocks),
+        checkpoint_format=fmt,
+        checkpoint_bytes=checkpoint_size(model, cfg, shards if fmt == "sharded" else 1, world),
+        checkpoints_kept=cfg.ckpt.keep_last + cfg.ckpt.keep_best,
+        fsdp_shards=shards,
+        memory=memory,
+        comm_bytes=footprint.communication(
+            cfg, world, shards, facts.trainable, facts.root_bytes, facts.block_bytes
+        ),
+        state_bytes_unsharded=ddp_state["unsharded"],
+        activation_note=note,
+        warnings=facts.warnings,
+    )
+    too_big = _too_big(plan)
+    if too_big:
+        plan.warnings.append(too_big)
+    return plan
+
+
+def _describe_sample(cfg: Config, info: dict[str, Any]) -> str:
+    if "vocab_size" in info:
+        return f"windows of {info['seq_len'] + 1} tokens (vocabulary {info['vocab_size']})"
+    if "image_size" in info:
+        classes = cfg.model.num_classes or info.get("num_classes")
+        size = info["image_size"]
+        return f"{info['in_channels']}x{size}x{size} images, {classes} classes"
+    return "samples as the user's dataset makes them"
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _largest_tensor(model: nn.Module) -> tuple[str, int]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    if not named:
+        return "", 0
+    name, tensor = max(named, key=lambda item: item[1].numel() * item[1].element_size())
+    return name, tensor.numel() * tensor.element_size()
+
+
+def _mode(cfg: Config) -> str:
+    return "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
+    """The plan as text: layout, data, steps, checkpoints, memory per rank, communication."""
+    p = estimate(cfg, nproc, nnodes)
+    c = cfg
+    chosen_mode = _mode(cfg)
+    max_steps = f" (train.max_steps {c.train.max_steps})" if c.train.max_steps else ""
+    overfit = (
+        f" (train.overfit_batches={c.train.overfit_batches}: the same "
+        f"{c.train.overfit_batches} batches every epoch)"
+        if c.train.overfit_batches
+        else ""
+    )
+    lines = [
+        "dtrain plan (no process group started, no training data read)",
+        f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
+        f"{p.device} | backend {p.backend or 'none (single process)'} | mode {c.parallel.mode} | "
+        f"precision {c.train.precision}",
+        f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples, "
+        f"{p.sample}{overfit}",
+        *(f"              {note}" for note in p.data_notes),
+        f"  batch       effective {p.effective_batch} = {c.data.batch_size} per rank x "
+        f"{p.world_size} rank(s) x {c.train.grad_accum} accumulation",
+        f"  steps       {p.steps_per_epoch} per epoch; {p.total_steps} in total over "
+        f"{c.train.epochs} epoch(s){max_steps}",
+        f"  model       {c.model.name}: {p.num_params / 1e6:.3f} M parameters in "
+        f"{p.num_blocks} block(s)",
+        f"  checkpoint  {p.checkpoint_format}, about {size_text(p.checkpoint_bytes)} each; "
+        f"at most {p.checkpoints_kept} "
+        f"kept (keep_last {c.ckpt.keep_last} + keep_best {c.ckpt.keep_best}) = "
+        f"{size_text(p.checkpoint_bytes * p.checkpoints_kept)} on disk, "
+        "one more while a save is written",
+        "",
+        f"memory per rank (batch {c.data.batch_size}; FSDP over "
+        f"{p.fsdp_shards} shard(s); rank 0, the largest shard)",
+        f"  {'':14}{'params':>11}{'grads':>11}{'optimizer':>11}{'activations':>13}"
+        f"{'buffers':>11}{'total':>11}",
+    ]
+    for m in p.memory:
+        mark = "  <- this run" if (m.mode, m.precision) == (chosen_mode, c.train.precision) else ""
+        acts = size_text(m.activations) if m.activations is not None else "?"
+        lines.append(
+            f"  {m.mode + ' ' + m.precision:14}{size_text(m.params):>11}{size_text(m.grads):>11}"
+            f"{size_text(m.optimizer):>11}{acts:>13}{size_text(m.buffers):>11}"
+            f"{size_text(m.total):>11}{mark}"
+        )
+    ddp, fsdp = p.memory_for("ddp", "fp32"), p.memory_for("fsdp", "fp32")
+    lines += [
+        f"  state (params + grads + optimizer): ddp {ddp.state} bytes, fsdp {fsdp.state} bytes "
+        f"(unsharded {p.state_bytes_unsharded}); the run logs these as state_bytes",
+        *footprint.ema_lines(c, ddp.grads, fsdp.grads),
+        f"  a rank has {size_text(p.device_bytes)} on {p.device}",
+    ]
+    if p.activation_note:
+        lines.append(f"  {p.activation_note}")
+    name, largest = p.largest_tensor
+    lines += [
+        "",
+        "building and loading the model",
+        f"  ddp   every rank builds the whole model: {size_text(p.model_bytes)} of parameters and "
+        f"buffers",
+        f"  fsdp  every rank builds only its shard (the constructor replayed row by row; "
+        f"unless it cannot be, which the run says): at most one whole tensor at a time besides "
+        f"the shards, the largest {size_text(largest)} ({name})",
+        "  a full checkpoint or model.init_from file is read by rank 0 alone (memory-mapped) and "
+        "broadcast: each rank keeps what it holds; sharded checkpoints are read by every rank, "
+        "each its own shards",
+    ]
+    lines += ["", "communication per optimizer step per rank"]
+    if p.world_size == 1:
+        lines.append("  none: a single rank")
+    else:
+        lines.append(f"  ddp   all-reduce of fp32 gradients: {size_text(p.comm_bytes['ddp'])}")
+        lines.append(
+            f"  fsdp  all-gather of parameters ({c.train.precision}) + reduce-scatter of "
+            f"fp32 gradients: {size_text(p.comm_bytes['fsdp'])}"
+        )
+    for warning in p.warnings:
+        lines.append(f"WARNING: {warning}")
+    lines += ["", "resolved config:", *("  " + line for line in dump(cfg).splitlines())]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""What `dtrain plan` works from: the launch's layout, the datasets' sizes and shapes (no sample
+read), and the model on the meta device with its blocks (what FSDP wraps) and their sizes. Both
+estimates start here: the plan's report (plan.py) and the memory limit's fit (plan_fit.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtrain import data, models, parallel
+from dtrain.config import Config
+from dtrain.core.errors import UserError
+from dtrain.core.imports import is_import_path
+from dtrain.process import layout as layout_mod
+from dtrain.process.env import Env, device_index
+from dtrain.process.layout import Layout
+
+# Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
+KNOWN_DATASETS = {
+    "cifar10": (50000, 10000, 3, 32, 10),
+    "mnist": (60000, 10000, 1, 28, 10),
+    "fashion_mnist": (60000, 10000, 1, 28, 10),
+}
+
+
+class SizeOnly(Dataset):
+    """Stands in for a dataset of which plan needs the length only."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: object) -> None:
+        raise IndexError("dtrain plan reads no samples")
+
+
+@dataclass
+class ModelFacts:
+    """A config launched as `nproc` x `nnodes` ranks, before anything runs. Sizes in bytes."""
+
+    layout: Layout  # rank 0's
+    shards: int  # FSDP's shards in this launch, whatever the config's mode
+    device: str  # rank 0's device, described
+    device_bytes: int  # the memory one rank may use
+    warnings: list[str]  # a launch the run would refuse
+    shapes: data.Datasets  # lengths and what models need; no sample is ever read
+    model: nn.Module  # on the meta device
+    blocks: list[nn.Module]  # what FSDP wraps one by one (not the root)
+    trainable: int  # the parameters that train
+    block_bytes: int  # all blocks' parameters
+    largest_block: int  # the largest block's parameters
+    root_bytes: int  # the parameters outside the blocks
+
+
+def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
+    layout = launch(cfg, nproc, nnodes)
+    device, device_bytes, warnings = device_memory(layout)
+    shapes = dataset_shapes(cfg)
+    with torch.device("meta"):
+        model = models.build(cfg.model, shapes.info, cfg.run.seed)
+    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
+    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+    block_bytes = param_bytes(blocks)
+    return ModelFacts(
+        layout=layout,
+        shards=launch(cfg, nproc, nnodes, "fsdp").shards,
+        device=device,
+        device_bytes=device_bytes,
+        warnings=warnings,
+        shapes=shapes,
+        model=model,
+        blocks=blocks,
+        trainable=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        block_bytes=block_bytes,
+        largest_block=max((param_bytes([b]) for b in blocks), default=0),
+        root_bytes=param_bytes([model]) - block_bytes,
+    )
+
+
+def param_bytes(modules: list[nn.Module]) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def dataset_shapes(cfg: Config) -> data.Datasets:
+    """Datasets of the right lengths whose samples are never read, with what models need (and,
+    for images, the size and transform a run would choose, as a note)."""
+    from dtrain.data import images
+
+    dcfg = cfg.data
+    if is_import_path(
+        dcfg.name
+    ):  # a user's datasets: constructing them is the only way to learn the sizes
+        return data.build(dcfg, cfg.run.seed, cfg.model.args)
+    if dcfg.name == "text":
+        from dtrain.data import text
+
+        seq_len = data.seq_len_of(dcfg, cfg.model.args)
+        train, val = text.window_counts(dcfg, seq_len)
+        return data.Datasets(
+            train=SizeOnly(train),
+            val=SizeOnly(val),
+            info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len},
+        )
+    if dcfg.name == "hf":  # rows counted, columns checked, a sample of headers read
+        from dtrain.data import hf
+
+        found = hf.survey(dcfg, cfg.run.seed)
+        return data.Datasets(
+            train=SizeOnly(found.rows[0]),
+            val=SizeOnly(found.rows[1]),
+            info=found.info,
+            notes=found.notes,
+        )
+    if dcfg.name == "tokens":  # windows counted from meta.json and the files' sizes
+        from dtrain.data import tokens
+
+        seq_len = data.seq_len_of(dcfg, cfg.model.args)
+        train, val, info = tokens.window_counts(dcfg, seq_len)
+        return data.Datasets(train=SizeOnly(train), val=SizeOnly(val), info=info)
+    if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
+        (train_list, _, _), (val_list, _, _) = (
+            images.list_split(dcfg.root, s) for s in ("train", "val")
+        )
+        skip = dcfg.on_bad_sample == "skip"
+        sizes = (
+            []
+            if dcfg.image_size
+            else (images.header_sizes(train_list, skip) + images.header_sizes(val_list, skip))
+        )
+        size, why = images.choose_size(dcfg, sizes)
+        train, val, channels, classes = (
+            len(train_list.files),
+            len(val_list.files),
+            3,
+            len(train_list.classes),
+        )
+    elif dcfg.name == "synthetic" or dcfg.name in KNOWN_DATASETS:
+        from dtrain.data import synthetic
+
+        known = KNOWN_DATASETS.get(dcfg.name) or (
+            dcfg.synthetic.train_size,
+            dcfg.synthetic.val_size,
+            3,
+            synthetic.IMAGE_SIZE,
+            len(synthetic.CLASSES),
+        )
+        train, val, channels, native_size, classes = known
+        size = dcfg.image_size or native_size
+        why = "their own size" if size == native_size else "data.image_size"
+    else:
+        data.build(dcfg, cfg.run.seed)  # raises the run's own error for an unknown name
+        raise AssertionError("unreachable")
+    kind, kind_why = images.choose_transform(dcfg, size)
+    note = f"images {size}x{size} ({why}), transform {kind} ({kind_why})"
+    return data.Datasets(
+        train=SizeOnly(train),
+        val=SizeOnly(val),
+        info={"num_classes": classes, "in_channels": channels, "image_size": size},
+        notes=[note],
+    )
+
+
+def device_memory(layout: Layout) -> tuple[str, int, list[str]]:
+    """The device rank 0 of the layout gets, described; the memory one rank may use; warnings
+    for a launch the run would refuse (more ranks on a node than GPUs)."""
+    device, nproc = layout.device, layout.ranks_per_node
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.type == "mps":
+        return "mps", ram, []
+    if device.type != "cuda":
+        return "cpu", ram // nproc, []  # the node's ranks share its RAM
+    warnings = []
+    last_rank = dataclasses.replace(layout.env, local_rank=nproc - 1)
+    try:
+        device_index(last_rank, torch.cuda.device_count())
+    except UserError as e:
+        warnings.append(f"{str(e).removeprefix('device error: ')}: the run will stop there")
+    props = torch.cuda.get_device_properties(0)
+    return f"cuda ({props.name})", props.total_memory, warnings
+
+
+def launch(cfg: Config, nproc: int, nnodes: int, mode: str | None = None) -> Layout:
+    """The layout of rank 0 of a launch of `nnodes` x `nproc` ranks (in `mode` if given)."""
+    world = nproc * nnodes
+    env = Env(
+        launcher="torchrun" if world > 1 else "single",
+        world_size=world,
+        local_world_size=nproc,
+        num_nodes=nnodes,
+    )
+    if mode is not None:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode=mode))
+    return layout_mod.resolve(cfg, env)

@@ -1,0 +1,324 @@
+"""`dtrain tokenize`: text into token shards that `data.name: tokens` reads.
+
+    dtrain tokenize INPUT... --out DIR (--vocab-size N | --tokenizer tokenizer.json)
+    dtrain tokenize --corpus python_docs --out DIR --vocab-size N
+
+With `--vocab-size`, a byte-level BPE (Hugging Face `tokenizers`) is trained on the training
+inputs; with `--tokenizer`, an existing `tokenizer.json` is used. Each document is encoded as it
+is (no added prefix space, no special tokens of the tokenizer's own) and followed by the
+end-of-text token. What DIR then holds:
+
+- `train.bin`, `val.bin`: the token ids, flat, little-endian uint16 when the vocabulary has at
+  most 65,536 ids, else uint32, no header;
+- `tokenizer.json`: the tokenizer, which `tokenizers.Tokenizer.from_file` reads alone;
+- `meta.json`: dtype, vocab_size, eot_id (and the token's text), tokens, bytes and documents per
+  split, the tokenizer's file and where it came from, the inputs with their sizes (see
+  `tokenize`; how bytes are counted: `dtrain.commands.tokenize.output`).
+
+The held-out part is the last `--val-fraction` of the token stream (at least one token), or the
+`--val` inputs. Memory does not grow with the corpus: documents are read, encoded (by
+`encode_batch_fast`, on all cores or `--workers`) and written in batches (a quarter of a megabyte
+of text per thread, at least a megabyte). The files are written under `.partial` names,
+synced, and renamed when complete; meta.json comes last, so a folder with a meta.json is always
+a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import numpy as np
+
+from dtrain.commands.tokenize.inputs import Source, corpus_sources, pieces, sources
+from dtrain.commands.tokenize.output import (
+    BYTES_COUNTED,
+    Progress,
+    Split,
+    encode,
+    existing_shards,
+    hold_out,
+    publish,
+    sync,
+)
+from dtrain.core.errors import UserError, first_line
+from dtrain.core.imports import require
+
+EOT = "<|endoftext|>"
+# The end-of-text tokens of common tokenizers (GPT-2 and most BPEs, Llama 3, Llama 2 and
+# Mistral, Gemma), looked for in that order in a given tokenizer.json.
+EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+UINT16_VOCAB = 1 << 16
+BATCH_BYTES_PER_THREAD = 256 << 10
+
+
+def threads(workers: int | None) -> int:
+    """How many threads encode: --workers, else every core this process may use."""
+    if workers:
+        return workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def use_workers(workers: int | None) -> None:
+    """Size the tokenizer's thread pool. tokenizers runs encode_batch and training on rayon's
+    global pool, built on first use with RAYON_NUM_THREADS threads (all cores when unset), and
+    runs them on the calling thread alone when TOKENIZERS_PARALLELISM is false: so this must
+    come before the tokenizer's first use."""
+    if workers is None:
+        return
+    if workers < 1:
+        raise UserError(f"usage error: --workers must be at least 1, not {workers}")
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if workers > 1 else "false"
+
+
+def load_tokenizer(path: str, eot: str | None) -> tuple[Any, str]:
+    """A tokenizer.json and its end-of-text token (--eot, or the first of EOT_NAMES in it)."""
+    tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
+    if not os.path.isfile(path):
+        raise UserError(f"input error: --tokenizer: '{path}' not found")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+        raise UserError(f"input error: {path}: not a tokenizer.json ({first_line(e)})") from None
+    names = (eot,) if eot else EOT_NAMES
+    found = next((n for n in names if tokenizer.token_to_id(n) is not None), None)
+    if found is None:
+        raise UserError(
+            f"input error: {path}: no end-of-text token "
+            f"({'no ' + repr(eot) if eot else 'none of ' + ', '.join(EOT_NAMES)}); "
+            f"name the tokenizer's with --eot"
+        )
+    return tokenizer, found
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, eot: str) -> Any:
+    """A byte-level BPE of `vocab_size` tokens (fewer when the text has too few pairs to merge)
+    with `eot` as its one special token, trained on `texts` as they stream by. It adds no
+    prefix space and decodes bytes back exactly, so decode(encode(text).ids) == text."""
+    tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
+    if not 257 <= vocab_size <= 1 << 32:
+        raise UserError(
+            f"usage error: --vocab-size must be from 257 (the 256 bytes and the end-of-text "
+            f"token) to 2**32, not {vocab_size}"
+        )
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = byte_level(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eot],
+        initial_alphabet=byte_level.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def token_bytes(tokenizer: Any) -> np.ndarray | None:
+    """Each id's length in bytes of text, where the tokenizer makes that exact (a byte-level
+    model without a normalizer: a token is one character per byte); None otherwise."""
+    config = json.loads(tokenizer.to_str())
+    if (config.get("decoder") or {}).get("type") != "ByteLevel" or config.get("normalizer"):
+        return None
+    lengths = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
+        lengths[i] = len(token)
+    for i, added in tokenizer.get_added_tokens_decoder().items():
+        lengths[i] = 1 if added.special else len(added.content.encode("utf-8"))
+    return lengths
+
+
+def _texts(from_sources: list[Source], column: str, progress: Progress) -> Iterator[str]:
+    """The sources' text for training the tokenizer, checked to have some in every input."""
+    text_of = {s.input: 0 for s in from_sources}
+    for source in from_sources:
+        for piece in pieces(source, column):
+            text_of[source.input] += piece.nbytes
+            progress.add([piece], 0)
+            yield piece.text
+    for given, text in text_of.items():
+        if not text:
+            raise UserError(f"input error: '{given}' has no text")
+    progress.finish()
+
+
+def _inputs(from_sources: list[Source]) -> list[dict[str, Any]]:
+    return [{"path": p, "bytes": n} for s in from_sources for p, n in s.files.items()]
+
+
+def tokenize(
+    inputs: list[str],
+    out: str,
+    *,
+    vocab_size: int | None = None,
+    tokenizer_path: str | None = None,
+    corpus: str | None = None,
+    val_fraction: float = 0.1,
+    val_inputs: list[str] | None = None,
+    column: str = "text",
+    workers: int | None = None,
+    overwrite: bool = False,
+    eot: str | None = None,
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
+    Every mistake is a UserError, raised before anything is written or with everything
+    written so far removed. Progress goes to `stream` (default: stderr)."""
+    stream = stream or sys.stderr
+    if inputs and corpus:
+        raise UserError("usage error: give INPUT files or folders, or --corpus, not both")
+    if not inputs and not corpus:
+        raise UserError("usage error: give INPUT files or folders (or --corpus python_docs)")
+    if (vocab_size is None) == (tokenizer_path is None):
+        raise UserError("usage error: give --vocab-size N (to train a tokenizer) or --tokenizer")
+    if not val_inputs and not 0 < val_fraction < 1:
+        raise UserError(f"usage error: --val-fraction must be between 0 and 1, not {val_fraction}")
+    train_sources = corpus_sources(corpus) if corpus else sources(inputs, column)
+    val_sources = sources(val_inputs, column, "val") if val_inputs else []
+    out = os.path.abspath(out)
+    _check_out(out, overwrite)
+    use_workers(workers)
+    if tokenizer_path is not None:
+        tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
+        made_by = os.path.abspath(tokenizer_path)
+    else:
+        assert vocab_size is not None
+        eot_text = eot or EOT
+        reading = Progress(stream, "reading text for the tokenizer", _size(train_sources))
+        tokenizer = train_tokenizer(_texts(train_sources, column, reading), vocab_size, eot_text)
+        made_by = f"byte-level BPE trained on the INPUT text with --vocab-size {vocab_size}"
+    # A document's text is text even where it spells a special token, as in the files.
+    tokenizer.encode_special_tokens = True
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    meta: dict[str, Any] = {
+        "dtype": "uint16" if vocab <= UINT16_VOCAB else "uint32",
+        "vocab_size": vocab,
+        "eot_id": tokenizer.token_to_id(eot_text),
+        "eot": eot_text,
+    }
+    about = {
+        "bytes_counted": BYTES_COUNTED,
+        "tokenizer": "tokenizer.json",
+        "tokenizer_from": made_by,
+        "val_from": "the --val inputs"
+        if val_sources
+        else f"the last {val_fraction:g} of the token stream",
+        "val_fraction": None if val_sources else val_fraction,
+        "inputs": {"train": _inputs(train_sources), "val": _inputs(val_sources)},
+    }
+    created = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    partial = {n: os.path.join(out, n + ".partial") for n in ("train.bin", "val.bin")}
+    target = os.path.join(out, "tokenizer.json")
+    if tokenizer_path is None or not _same_file(tokenizer_path, target):
+        partial["tokenizer.json"] = target + ".partial"
+    index_path = os.path.join(out, "documents.partial")
+    try:
+        if "tokenizer.json" in partial:
+            if tokenizer_path is None:
+                tokenizer.save(partial["tokenizer.json"])
+            else:
+                shutil.copyfile(tokenizer_path, partial["tokenizer.json"])
+        splits = _write_splits(
+            tokenizer,
+            meta,
+            val_fraction,
+            train_sources,
+            val_sources,
+            column,
+            partial,
+            index_path,
+            workers,
+            stream,
+        )
+        for key in ("tokens", "bytes", "documents"):
+            meta[key] = {name: getattr(split, key) for name, split in splits.items()}
+        meta.update(about)
+        publish(out, partial, meta)
+    except BaseException:
+        for path in [*partial.values(), index_path, os.path.join(out, "meta.json.partial")]:
+            if os.path.exists(path):
+                os.remove(path)
+        if created and not os.listdir(out):
+            os.rmdir(out)
+        raise
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    return meta
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"output error: --out '{out}' is a file, not a folder")
+    held = existing_shards(out) if os.path.isdir(out) else []
+    if held and not overwrite:
+        raise UserError(
+            f"output error: '{out}' already holds token shards ({', '.join(held)}); "
+            f"choose another --out or add --overwrite"
+        )
+
+
+def _write_splits(
+    tokenizer: Any,
+    meta: dict[str, Any],
+    val_fraction: float,
+    train_sources: list[Source],
+    val_sources: list[Source],
+    column: str,
+    partial: dict[str, str],
+    index_path: str,
+    workers: int | None,
+    stream: TextIO,
+) -> dict[str, Split]:
+    """train.bin and val.bin, under their .partial names, complete and synced, in the dtype
+    and with the end-of-text id that `meta` gives."""
+    dtype, eot_id = np.dtype(meta["dtype"]), meta["eot_id"]
+    batch_bytes = max(1 << 20, threads(workers) * BATCH_BYTES_PER_THREAD)
+    with open(partial["train.bin"], "wb") as f, open(index_path, "wb") as index:
+        progress = Progress(stream, "tokenizing", _size(train_sources))
+        index_or_none = None if val_sources else index
+        train = encode(
+            tokenizer, train_sources, column, f, dtype, eot_id, batch_bytes, progress, index_or_none
+        )
+        sync(f)
+    if not val_sources:
+        lengths = token_bytes(tokenizer)
+        val = hold_out(
+            partial["train.bin"],
+            partial["val.bin"],
+            index_path,
+            train,
+            val_fraction,
+            dtype,
+            lengths,
+        )
+        return {"train": train, "val": val}
+    with open(partial["val.bin"], "wb") as f:
+        progress = Progress(stream, "tokenizing --val", _size(val_sources))
+        val = encode(tokenizer, val_sources, column, f, dtype, eot_id, batch_bytes, progress)
+        sync(f)
+    return {"train": train, "val": val}
+
+
+def _size(from_sources: list[Source]) -> int:
+    return sum(s.size for s in from_sources)
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.exists(b) and os.path.samefile(a, b)
+
+
+def summary(out: str, meta: dict[str, Any]) -> str:
+    tokens, size = meta["tokens"], meta["bytes"]
+    total = tokens["train"] + tokens["val"]
+    return (
+        f"wrote {out}: train.bin {tokens['train']:,} tokens, val.bin {tokens['val']:,} tokens "
+        f"({meta['dtype']}, vocabulary {meta['vocab_size']:,}, end-of-text id "
+        f"{meta['eot_id']}), {(size['train'] + size['val']) / max(1, total):.2f} bytes per token"
+    )

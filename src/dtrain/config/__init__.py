@@ -1,0 +1,426 @@
+"""The run configuration: YAML plus dotted overrides into nested dataclasses, checked strictly.
+The sections and keys are declared, with their docs, in `config_schema`.
+
+Every problem is a `UserError` naming the key, raised before any process group exists and
+before anything is written, so a bad config costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from types import UnionType
+from typing import Any, Union
+
+import yaml
+
+from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
+from dtrain.config.schema import (
+    CkptConfig,
+    Config,
+    DDPConfig,
+    DistConfig,
+    EarlyStopConfig,
+    FSDPConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    ProfileConfig,
+    RunConfig,
+    SchedConfig,
+    SlurmConfig,
+    TaskConfig,
+    TrainConfig,
+)
+from dtrain.core.errors import UserError
+
+# The schema (sections, keys, defaults, checks and docs) lives in config_schema; every name is
+# re-exported here, so `dtrain.config` stays the one place to import the config from.
+__all__ = [
+    "NOT_TRAINING",
+    "CkptConfig",
+    "Config",
+    "DDPConfig",
+    "DataConfig",
+    "DistConfig",
+    "EarlyStopConfig",
+    "FSDPConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ProfileConfig",
+    "RunConfig",
+    "SchedConfig",
+    "SlurmConfig",
+    "SyntheticConfig",
+    "TaskConfig",
+    "TextConfig",
+    "TrainConfig",
+    "all_keys",
+    "dump",
+    "flatten",
+    "from_dict",
+    "is_training_key",
+    "load",
+    "parse_override",
+    "to_dict",
+    "training_differences",
+    "training_part",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML keys and dataclass fields: a field named `async_` is the YAML key `async`.
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.name.rstrip("_")
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {_key(f): f for f in dataclasses.fields(cls)}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {_key(f): hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_section(tp: Any) -> typing.TypeGuard[type]:
+    """Whether a field's annotation is a nested section (a dataclass) rather than a value."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, e.g. 'optim.lr'."""
+    keys = []
+    for key, tp in _field_types(cls).items():
+        if _is_section(tp):
+            keys.extend(all_keys(tp, prefix + key + "."))
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def _all_names() -> list[str]:
+    """Every dotted key and every section, e.g. 'optim.lr', 'optim', 'parallel.fsdp'."""
+    names = set(all_keys())
+    for key in list(names):
+        parts = key.split(".")
+        names.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted(names)
+
+
+def unknown_key(dotted: str) -> UserError:
+    depth = dotted.count(".")
+    same_depth = [n for n in _all_names() if n.count(".") == depth]
+    close = difflib.get_close_matches(dotted, same_depth, n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under a right section: compare the last part only
+        leaf = dotted.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        close = [
+            by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        ]
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return UserError(f"config error: unknown key '{dotted}'{hint}")
+
+
+def _coerce(value: Any, tp: Any, dotted: str) -> Any:
+    """Check `value` against the annotation `tp`; allow the conversions YAML users expect."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, UnionType):  # Optional[X] and X | None alike
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, dotted)
+            except UserError as e:
+                errors.append(e)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise UserError(f"config error: {dotted}: expected {names}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    raise UserError(f"config error: {dotted}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise UserError(
+            f"config error: {prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}"
+        )
+    fields = _fields(cls)
+    types = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = prefix + str(key)
+        if key not in fields:
+            raise unknown_key(dotted)
+        tp = types[key]
+        if _is_section(tp):
+            kwargs[fields[key].name] = _build(tp, value if value is not None else {}, dotted + ".")
+        else:
+            kwargs[fields[key].name] = _coerce(value, tp, dotted)
+    obj = cls(**kwargs)
+    _validate(obj, prefix)
+    return obj
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        dotted = prefix + _key(f)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(
+                f"config error: {dotted}: '{value}' is not one of "
+                f"{', '.join(map(str, choices))}{hint}"
+            )
+        check = f.metadata.get("check")
+        if check and value is not None and not check[0](value):
+            raise UserError(f"config error: {dotted}: {check[1]}, got {value!r}")
+
+
+def _cross_checks(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    from dtrain.config import registry  # the names extension points know (imports nothing heavy)
+
+    registry.check_names(cfg)
+    if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in cfg.optim.betas):
+        raise UserError(f"config error: optim.betas: expected two numbers, got {cfg.optim.betas!r}")
+    no_decay = cfg.optim.no_decay
+    if (isinstance(no_decay, str) and no_decay != "auto") or (
+        isinstance(no_decay, list) and not all(isinstance(g, str) for g in no_decay)
+    ):
+        raise UserError(
+            f"config error: optim.no_decay: expected auto or a list of name globs, got {no_decay!r}"
+        )
+    if cfg.model.pretrained and not cfg.model.name.startswith("tv:"):
+        raise UserError(
+            f"config error: model.pretrained: only torchvision models (tv:NAME) have "
+            f"pretrained weights here; use model.init_from=PATH for {cfg.model.name}"
+        )
+    if cfg.model.pretrained and cfg.model.init_from:
+        raise UserError(
+            "config error: model.pretrained and model.init_from both name starting "
+            "weights; keep one"
+        )
+    wrap = cfg.parallel.fsdp.wrap
+    if isinstance(wrap, str) and wrap != "auto":
+        raise UserError(
+            f"config error: parallel.fsdp.wrap: expected 'auto' or a list of class "
+            f"names, got {wrap!r}"
+        )
+    if cfg.ckpt.resume not in ("auto", "none") and not cfg.ckpt.resume.strip():
+        raise UserError("config error: ckpt.resume: expected auto, none or a checkpoint path")
+    train = cfg.train
+    if train.early_stop.patience is not None and not (
+        train.eval_every_epochs or train.eval_every_steps
+    ):
+        raise UserError(
+            "config error: train.early_stop.patience is set but nothing is evaluated during the "
+            "run; set train.eval_every_epochs or train.eval_every_steps, or drop train.early_stop"
+        )
+    name = cfg.run.name
+    if name is not None and (not name or name in (".", "..") or "/" in name):
+        raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
+    from dtrain.config.registry import builtin_metrics  # what the built-in tasks report
+
+    reported = builtin_metrics(cfg.task.name)
+    if reported is not None and train.ema.decay is not None and train.ema.eval:
+        reported = (*reported, *(f"{m}_ema" for m in reported))  # the averaged weights' too
+    if reported is not None and cfg.ckpt.monitor not in reported:
+        close = difflib.get_close_matches(cfg.ckpt.monitor, reported, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(
+            f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is not a metric the "
+            f"{cfg.task.name} task reports; use one of {', '.join(reported)}{hint}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config error: config file '{path}' not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        if isinstance(e, yaml.constructor.ConstructorError):
+            raise UserError(
+                f"config error: {where}: {e.problem} (only plain YAML is allowed)"
+            ) from None
+        raise UserError(f"config error: {where}: malformed YAML: {e.problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"config error: cannot read '{path}': {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config error: {path}: expected a mapping of sections at the top")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'optim.lr=0.1' -> ('optim.lr', 0.1); the value is read as a YAML scalar or list."""
+    if "=" not in text:
+        raise UserError(f"config error: override '{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise UserError(f"config error: override '{text}' has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"config error: override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load(path: str | None = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Read `path` (if given), apply `section.key=value` overrides, and check everything."""
+    data = read_yaml(path) if path else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
+    cfg = _build(Config, data, "")
+    _cross_checks(cfg)
+    return cfg
+
+
+def to_dict(obj: Any) -> Any:
+    """The config as plain data, with YAML key names (for config.yaml and checkpoints)."""
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a config from `to_dict` output (e.g. a checkpoint's), with the same checks."""
+    cfg = _build(Config, data, "")
+    _cross_checks(cfg)
+    return cfg
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# Keys that do not change what a run trains: where it runs and writes, how it logs, checkpoints
+# and communicates, and how fast its data loads. A resumed run may change them freely; any other
+# change needs ckpt.resume_config_change=allow.
+NOT_TRAINING = (
+    "run.name",
+    "run.out_dir",
+    "run.private",
+    "log.",
+    "ckpt.",
+    "dist.",
+    "slurm.",
+    "data.num_workers",
+    "data.persistent_workers",
+    # When to stop is decided anew from the counts in the checkpoint: a resume may change it.
+    "train.early_stop.",
+    # An average of the weights never changes the weights trained: it may be switched on or off.
+    "train.ema.",
+)
+
+
+def is_training_key(key: str) -> bool:
+    return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_TRAINING)
+
+
+def training_part(data: dict) -> dict[str, Any]:
+    """The flattened config without the keys of NOT_TRAINING."""
+    return {k: v for k, v in flatten(data).items() if is_training_key(k)}
+
+
+# Keys that set how long a run trains, not what it learns: a resume may change them without
+# ckpt.resume_config_change=allow ("train 10 epochs more"); ckpt.on_length_change says what the
+# learning-rate schedule does then.
+LENGTH_KEYS = ("train.epochs", "train.max_steps")
+
+
+def is_length_change(change: str) -> bool:
+    """Whether a `training_differences` line is about the run's length."""
+    return change.split(":", 1)[0] in LENGTH_KEYS
+
+
+def training_differences(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every training key that both configs have and that differs."""
+    a, b = training_part(saved), training_part(current)
+    return [
+        f"{key}: {a[key]!r} -> {b[key]!r}"
+        for key in sorted(a.keys() & b.keys())
+        if a[key] != b[key]
+    ]
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 0.1}} -> {'optim.lr': 0.1}"""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value and key != "args":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

@@ -1,0 +1,442 @@
+"""A config is YAML with the sections below (read with `yaml.safe_load`: tags such as
+`!!python/...` are refused); every key has a default, so a config lists only what differs.
+Overrides on the command line are dotted `section.key=value` pairs whose values are read as YAML:
+`optim.lr=3e-4`, `model.args={width: 32}`, `parallel.fsdp.wrap=[BasicBlock]`.
+
+Checking is strict and happens before any process group exists or anything is written: an unknown
+key names the closest valid one (`unknown key 'optim.lrr' (did you mean 'optim.lr'?)`), a wrong
+type or an out-of-range value names the key, malformed YAML gives the file, line and column, each
+as one line on stderr with exit code 2. The resolved config is written to the run directory as
+`config.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dtrain.config.data import DataConfig
+from dtrain.config.fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    option,
+)
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives and the one seed it draws from."""
+
+    name: str | None = option(
+        None,
+        doc="run directory name; default: `job_<id>` under SLURM, else the config file's name "
+        "(`configs/default.yaml` → `default`), else `default`",
+    )
+    out_dir: str = option("runs", doc="parent of all run directories")
+    seed: int = option(
+        0,
+        check=NON_NEGATIVE,
+        doc="the one seed: model init, data order, augmentation, per-rank randomness",
+    )
+    private: bool = option(True, doc="run directories 0700 and files 0600 (owner only)")
+
+
+@dataclass
+class DistConfig:
+    """The process group: backend and timeouts."""
+
+    backend: str = option(
+        "auto", choices=("auto", "nccl", "gloo"), doc="auto: nccl on CUDA, gloo on the CPU"
+    )
+    timeout_s: float = option(600.0, check=POSITIVE, doc="collective timeout while training")
+    init_timeout_s: float = option(
+        300.0,
+        check=POSITIVE,
+        doc="timeout of the start-up rendezvous (slow starts don't trip the training timeout)",
+    )
+
+
+@dataclass
+class DDPConfig:
+    """Passed to `DistributedDataParallel` when `parallel.mode` is ddp."""
+
+    bucket_cap_mb: float = option(25.0, check=POSITIVE, doc="DDP's gradient bucket size")
+    find_unused_parameters: bool = option(
+        False, doc="allow parameters that get no gradient in a step (costs a graph walk per step)"
+    )
+    static_graph: bool = option(
+        False, doc="tell DDP the set of used parameters is the same at every step"
+    )
+    broadcast_buffers: bool = option(
+        True, doc="sync buffers (BatchNorm statistics) from rank 0 at each forward"
+    )
+    gradient_as_bucket_view: bool = option(
+        True,
+        doc="gradients are views into DDP's all-reduce buckets: one copy of them per rank, "
+        "not two (false: the bucket copy as in plain DDP)",
+    )
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 (`fully_shard`) when `parallel.mode` is fsdp: see [FSDP](fsdp.md)."""
+
+    wrap: str | list = option(
+        "auto",
+        doc="`auto` (each block of the model's sequential stages) or a list of module "
+        "class names, each instance its own unit",
+    )
+    reshard_after_forward: bool = option(
+        True, doc="false keeps parameters gathered between forward and backward"
+    )
+    hybrid_replicas: int = option(
+        1,
+        check=AT_LEAST_ONE,
+        doc="HSDP: a 2-D mesh of this many replica groups, sharded inside each; 1 = plain FSDP",
+    )
+    cpu_offload: bool = option(
+        False, doc="parameters, gradients and optimizer state in host memory (CUDA only)"
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over the ranks."""
+
+    mode: str = option(
+        "ddp",
+        choices=("ddp", "fsdp", "none"),
+        doc="none: a bare model, refused with more than one rank",
+    )
+    sync_batchnorm: bool = option(
+        False,
+        doc="BatchNorm statistics over all ranks' batches (SyncBatchNorm on GPUs, a cross-rank "
+        "BatchNorm on the CPU), DDP and FSDP",
+    )
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class TaskConfig:
+    """What is learned: a loss and per-sample metrics; see [Tasks](tasks.md)."""
+
+    name: str = option(
+        "classification",
+        doc="a built-in task, or a user's `module:function` called with this config",
+    )
+    args: dict = option(
+        {}, doc="keyword arguments for a built-in task; a user's builder gets the whole task config"
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The network and where its first weights come from; see [Data and models](data.md)."""
+
+    name: str = option(
+        "simple_cnn",
+        doc="a built-in model, `tv:NAME` (a torchvision classifier), or a user's "
+        "`module:function` called with this config",
+    )
+    num_classes: int | None = option(None, check=AT_LEAST_ONE, doc="default: from the dataset")
+    args: dict = option({}, doc="keyword arguments for the model builder, e.g. `{width: 32}`")
+    activation_checkpointing: bool = option(
+        False, doc="recompute each block's activations in backward"
+    )
+    compile: bool = option(False, doc="`torch.compile` each block (each FSDP unit)")
+    channels_last: bool = option(False, doc="channels-last memory format for model and inputs")
+    init_from: str | None = option(
+        None,
+        doc="start from these weights: a dtrain checkpoint, an exported state_dict, "
+        "a torchvision `.pth`",
+    )
+    init_exclude: list = option(
+        [], doc="globs of weights left at their initial values, e.g. `[fc.*]`"
+    )
+    init_strict: bool = option(
+        True, doc="every other weight must be in `init_from`, with its shape"
+    )
+    pretrained: bool = option(
+        False,
+        doc="`tv:` models: torchvision's weights from the local torch hub cache "
+        "(never downloaded at run time)",
+    )
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, built after wrapping (under FSDP it sees only the rank's shards)."""
+
+    name: str = option(
+        "sgd",
+        doc="a built-in optimizer (built fused), or a user's `module:function` called with the "
+        "parameter groups and this config",
+    )
+    lr: float = option(0.1, check=POSITIVE, doc="the peak learning rate")
+    weight_decay: float = option(5e-4, check=NON_NEGATIVE, doc="for the decayed group")
+    no_decay: str | list = option(
+        "auto",
+        doc="parameters without weight decay: auto (biases, norm weights, embeddings) "
+        "or a list of globs",
+    )
+    momentum: float = option(0.9, check=FRACTION, doc="sgd")
+    nesterov: bool = option(False, doc="sgd")
+    betas: list = option([0.9, 0.999], doc="adam/adamw: two numbers")
+    eps: float = option(1e-8, check=POSITIVE, doc="adam/adamw")
+
+
+@dataclass
+class SchedConfig:
+    """The learning-rate schedule, stepped per optimizer step (plateau: per evaluation)."""
+
+    name: str = option(
+        "cosine",
+        doc="a built-in schedule after the warmup, or a user's `module:function` called with "
+        "the optimizer, this config and the run's total steps",
+    )
+    warmup_steps: int = option(
+        0, check=NON_NEGATIVE, doc="linear warmup from 0 before the schedule"
+    )
+    min_lr: float = option(0.0, check=NON_NEGATIVE, doc="cosine floor")
+    step_size: int = option(1000, check=AT_LEAST_ONE, doc="step: decay every this many steps")
+    gamma: float = option(0.1, check=POSITIVE, doc="step/plateau: decay factor")
+    patience: int = option(
+        2, check=NON_NEGATIVE, doc="plateau: evaluations without improvement of `ckpt.monitor`"
+    )
+
+
+@dataclass
+class EarlyStopConfig:
+    """Ends a run whose `ckpt.monitor` has stopped improving, counted at the evaluations of
+    `train.eval_every_epochs` and `train.eval_every_steps`; see [Training](training.md)."""
+
+    patience: int | None = option(
+        None,
+        check=AT_LEAST_ONE,
+        doc="evaluations in a row without an improvement after which the run stops (exit 0, "
+        "status stopped_early); null = never",
+    )
+    min_delta: float = option(
+        0.0,
+        check=NON_NEGATIVE,
+        doc="an improvement beats the best value so far by more than this, in "
+        "`ckpt.monitor_mode`'s direction",
+    )
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the parameters, saved in every checkpoint and evaluated
+    beside them; see [After training](after_training.md#ema-weights)."""
+
+    decay: float | None = option(
+        None,
+        check=(lambda v: 0 < v < 1, "must be in (0, 1), e.g. 0.999"),
+        doc="each update keeps this share of the average and takes the rest from the "
+        "parameters; null = no EMA",
+    )
+    every_steps: int = option(
+        1, check=AT_LEAST_ONE, doc="update the average after every this many optimizer steps"
+    )
+    eval: bool = option(
+        True, doc="each evaluation also evaluates the averaged weights (`val_<name>_ema`)"
+    )
+
+
+@dataclass
+class TrainConfig:
+    """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
+
+    epochs: int = option(10, check=AT_LEAST_ONE, doc="passes over the training set")
+    max_steps: int | None = option(
+        None,
+        check=AT_LEAST_ONE,
+        doc="optimizer steps; whichever of epochs and max_steps ends first",
+    )
+    precision: str = option(
+        "fp32",
+        choices=("fp32", "bf16", "fp16"),
+        doc="bf16/fp16: autocast (FSDP: its mixed-precision policy); fp16 adds a grad scaler",
+    )
+    grad_accum: int = option(1, check=AT_LEAST_ONE, doc="micro-batches per optimizer step")
+    loss_scale_init: float = option(
+        65536.0, check=POSITIVE, doc="fp16: the grad scaler's first scale"
+    )
+    clip_grad_norm: float | None = option(
+        None, check=POSITIVE, doc="clip the global gradient norm of the whole model"
+    )
+    log_every: int = option(
+        50, check=AT_LEAST_ONE, doc="steps between records (metrics.jsonl, TensorBoard, console)"
+    )
+    check_every_steps: int = option(
+        10,
+        check=AT_LEAST_ONE,
+        doc="the host reads the device (loss, non-finite steps) and the ranks agree on stop "
+        "signals this often, and at every record, evaluation and save; steps in between "
+        "never wait for the device",
+    )
+    eval_every_epochs: int = option(1, check=NON_NEGATIVE, doc="0 = only at the end")
+    eval_every_steps: int | None = option(
+        None, check=AT_LEAST_ONE, doc="also evaluate every this many steps"
+    )
+    nan_policy: str = option(
+        "stop",
+        choices=("stop", "skip"),
+        doc="a non-finite loss or gradient: end the run (exit 1), or skip the step on every rank",
+    )
+    max_consecutive_skips: int = option(
+        10, check=NON_NEGATIVE, doc="skip: more non-finite steps in a row than this stop the run"
+    )
+    detect_anomaly: bool = option(False, doc="autograd anomaly detection")
+    sync_debug: bool = option(
+        False, doc="CUDA: torch warns at every host-device synchronisation inside a step"
+    )
+    cudnn_benchmark: bool = option(False, doc="`torch.backends.cudnn.benchmark`")
+    deterministic: bool = option(False, doc="`torch.use_deterministic_algorithms(True)`")
+    overfit_batches: int = option(
+        0,
+        check=NON_NEGATIVE,
+        doc="K > 0: train on the same K batches, augmentation off (a smoke test)",
+    )
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+
+
+@dataclass
+class CkptConfig:
+    """When checkpoints are saved, which are kept, and how a run resumes; see
+    [Checkpoints](checkpoints.md)."""
+
+    every_steps: int | None = option(None, check=AT_LEAST_ONE, doc="save every this many steps")
+    every_epochs: int = option(1, check=NON_NEGATIVE, doc="0 = never at epoch ends")
+    keep_last: int = option(
+        3, check=AT_LEAST_ONE, doc="how many of the last saved checkpoints are kept"
+    )
+    keep_best: int = option(
+        1, check=NON_NEGATIVE, doc="best checkpoints by `ckpt.monitor`, kept beside the last ones"
+    )
+    monitor: str = option(
+        "val_acc",
+        doc="a metric the task reports (`val_loss`, `val_acc`, `val_<name>`); any other name "
+        "is exit 2",
+    )
+    monitor_mode: str = option(
+        "max", choices=("max", "min"), doc="max: higher `ckpt.monitor` is better; min: lower"
+    )
+    resume: str = option("auto", doc="auto | none | PATH")
+    resume_config_change: str = option(
+        "refuse",
+        choices=("refuse", "allow"),
+        doc="resuming with a config that trains something else (a changed length, "
+        "`train.epochs` or `train.max_steps`, is not: see `ckpt.on_length_change`)",
+    )
+    on_length_change: str = option(
+        "respan",
+        choices=("respan", "keep"),
+        doc="a resume that changed `train.epochs` or `train.max_steps`: respan: the lr schedule "
+        "becomes the one of the new length from the start (a cosine jumps back up); keep: it "
+        "keeps its length, and steps past its end train at its last lr",
+    )
+    format: str = option(
+        "auto",
+        choices=("auto", "full", "sharded"),
+        doc="auto: full for DDP/none, sharded for FSDP",
+    )
+    async_: bool = option(False, doc="write checkpoints in the background")
+
+
+@dataclass
+class ProfileConfig:
+    """The torch profiler's schedule, in optimizer steps."""
+
+    enabled: bool = option(False, doc="record one window of steps on every rank")
+    wait: int = option(1, check=NON_NEGATIVE, doc="steps skipped first")
+    warmup: int = option(1, check=NON_NEGATIVE, doc="steps traced but not recorded")
+    active: int = option(3, check=AT_LEAST_ONE, doc="steps recorded")
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow tracking, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
+
+    enabled: bool = option(False, doc="send params, tags and metrics to MLflow (extra `[mlflow]`)")
+    tracking_uri: str | None = option(
+        None,
+        doc="default: `sqlite:///<run.out_dir>/mlflow.db`, a local file (no server); "
+        "`http://host:5000` for a tracking server",
+    )
+    experiment: str | None = option(
+        None, doc="default: the sweep's name for a trial of `dtrain sweep`, else `run.name`"
+    )
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
+
+    enabled: bool = option(False, doc="log params, tags and metrics to W&B (extra `[wandb]`)")
+    project: str | None = option(None, doc="default: as `log.mlflow.experiment`")
+    mode: str = option(
+        "offline",
+        choices=("offline", "online"),
+        doc="offline: files under `<run dir>/wandb/` (`wandb sync` uploads them later); "
+        "online: needs `wandb login`",
+    )
+
+
+@dataclass
+class LogConfig:
+    """What a run reports, and where; see [Watching a run](watching.md)."""
+
+    tensorboard: bool = option(True, doc="rank 0 writes TensorBoard events to `tb/`")
+    every_s: float = option(
+        30.0,
+        check=POSITIVE,
+        doc="non-terminal consoles: a progress line at least this often "
+        "(besides one every `train.log_every` steps)",
+    )
+    all_ranks: bool = option(False, doc="every rank prints to the console, not only rank 0")
+    progress: str = option(
+        "auto",
+        choices=("auto", "bar", "lines"),
+        doc="auto: a bar on a terminal, timestamped lines elsewhere",
+    )
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class SlurmConfig:
+    """Behaviour inside a SLURM job; see [SLURM](slurm.md)."""
+
+    requeue: bool = option(
+        True,
+        doc="after a stop signal's checkpoint, rank 0 requeues the running SLURM job "
+        "(`scontrol requeue`)",
+    )
+
+
+@dataclass
+class Config:
+    """The whole run configuration, one section per field."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.out_dir, self.run.name or "default")

@@ -1,0 +1,320 @@
+"""Content digests of checkpoint files, and `dtrain verify`.
+
+Every file of a checkpoint gets an xxh3-128 digest while it is written; the digests go into the
+completion marker (`COMPLETE`) with the files' sizes, before the marker is published. A reader
+compares what it reads with them: a flipped bit, a torn write or a truncated file is a damaged
+checkpoint, not a silently different model. (xxh3-128 hashes about ten times faster than
+BLAKE2b here, fast enough to hide behind the disk; it detects accidents, not tampering: the
+marker that holds the digests is as writable as the files.)
+
+This module imports no torch, so that `dtrain verify` checks a run's checkpoints in the time it
+takes to read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from dtrain.core.errors import UserError
+
+ALGORITHM = "xxh3_128"
+MARKER = "COMPLETE"
+CHECKPOINTS = "checkpoints"
+FULL_FILE = "checkpoint.pt"
+_CHUNK = 16 * 2**20  # large reads: xxhash and read() both release the GIL for each one
+
+
+class Damaged(UserError):
+    """A checkpoint file whose content is not what was written: a checkpoint to fall back from."""
+
+
+def new_hash() -> Any:
+    return xxhash.xxh3_128()
+
+
+_PARALLEL = 2**20  # a write at least this large is hashed in a thread while the write runs
+_hashers: ThreadPoolExecutor | None = None
+
+
+class HashingFile:
+    """A binary file opened for writing that hashes every byte written through it, so that the
+    digest costs no second read of the file. A large write is hashed by a helper thread while
+    this one writes (both release the GIL), and both end before `write` returns: the bytes are
+    only borrowed for the call (torch passes views of memory it may free afterwards), and the
+    hash sees the writes in order. Sequential writes only: no seek."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._hash = new_hash()
+
+    def write(self, data: Any) -> int:
+        global _hashers
+        if memoryview(data).nbytes < _PARALLEL:
+            self._hash.update(data)
+            return int(self._file.write(data))
+        if _hashers is None:
+            _hashers = ThreadPoolExecutor(4, thread_name_prefix="dtrain-hash")
+        hashing = _hashers.submit(self._hash.update, data)
+        try:
+            written = int(self._file.write(data))
+        finally:
+            hashing.result()
+        return written
+
+    def tell(self) -> int:
+        return int(self._file.tell())
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return int(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._file.closed)
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    def hexdigest(self) -> str:
+        return str(self._hash.hexdigest())
+
+
+def file_digest(path: str) -> str:
+    """The digest of a whole file: hashed straight from the page cache through a memory map (no
+    copy; 2.5x faster than reading it into a buffer here), in large chunks."""
+    digest = new_hash()
+    with open(path, "rb", buffering=0) as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (ValueError, OSError):  # an empty file, or a filesystem without mmap
+            return _read_digest(f)
+        with mapped:
+            if hasattr(mapped, "madvise"):
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mapped)
+            try:
+                for start in range(0, len(view), _CHUNK):
+                    digest.update(view[start : start + _CHUNK])
+            finally:
+                view.release()
+    return str(digest.hexdigest())
+
+
+def _read_digest(f: Any) -> str:
+    digest = new_hash()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        digest.update(view[:n])
+    return str(digest.hexdigest())
+
+
+_SEAL = "marker_digest"
+
+
+def seal(marker: dict[str, Any]) -> dict[str, Any]:
+    """The marker with a digest of its own content, so that a flip inside the marker (a step, a
+    file's digest) is found like one in the files it lists."""
+    return dict(marker, **{_SEAL: _marker_digest(marker)})
+
+
+def _marker_digest(marker: dict[str, Any]) -> str:
+    content = {k: v for k, v in marker.items() if k != _SEAL}
+    return xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode())
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    """The marker of the checkpoint folder `path`, or None when there is none, it is not JSON,
+    or its own digest does not match its content (markers written before the seal have none)."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict):
+        return None
+    if _SEAL in marker and marker[_SEAL] != _marker_digest(marker):
+        return None
+    return marker
+
+
+def marker_damaged(path: str) -> bool:
+    """A marker is there but cannot be trusted: not the JSON a save writes, or changed since."""
+    return os.path.isfile(os.path.join(path, MARKER)) and read_marker(path) is None
+
+
+def digests_of(marker: dict[str, Any] | None) -> dict[str, str] | None:
+    """The files' digests a marker holds; None for a marker written before digests (or by
+    another algorithm, which this version cannot check)."""
+    if not marker or marker.get("digest") != ALGORITHM:
+        return None
+    digests = marker.get("digests")
+    return digests if isinstance(digests, dict) else None
+
+
+def verify_files(path: str, marker: dict[str, Any]) -> str | None:
+    """None when every file the marker lists is there with its size; else what is wrong."""
+    for name, size in marker.get("files", {}).items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{name} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{name} has {actual} bytes, expected {size}"
+    return None
+
+
+def mismatch(folder: str, name: str, expected: str, found: str) -> str:
+    """The one line a damaged file gets, wherever it is found."""
+    return (
+        f"checkpoint error: {folder}: {name} is damaged: content digest {found}, the "
+        f"marker says {expected} ({ALGORITHM}): changed since it was written"
+    )
+
+
+def check_file(folder: str, name: str, expected: str | None) -> None:
+    """Raise Damaged when the file's content does not have the `expected` digest (None: an
+    unverified file, not checked)."""
+    if expected is None:
+        return
+    found = file_digest(os.path.join(folder, name))
+    if found != expected:
+        raise Damaged(mismatch(folder, name, expected, found))
+
+
+# ---------------------------------------------------------------------------------------------
+# dtrain verify
+
+
+def _check(folder: str, marker: dict[str, Any], threads: int) -> tuple[str, str]:
+    """(verdict, details) of one checkpoint: intact, damaged or unverified."""
+    files: dict[str, int] = marker.get("files", {})
+    wrong = verify_files(folder, marker)
+    if wrong:
+        return "damaged", f"{wrong} (truncated or damaged)"
+    digests = digests_of(marker)
+    total = sum(files.values())
+    if digests is None:
+        return "unverified", (
+            f"saved without content digests (before dtrain verified checkpoints); "
+            f"{_files(len(files))}, sizes match"
+        )
+    unlisted = sorted(set(files) - set(digests))
+    if unlisted:
+        return "damaged", f"the marker has no digest of {unlisted[0]}"
+    names = sorted(files)
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        found = list(pool.map(lambda n: file_digest(os.path.join(folder, n)), names))
+    bad = [(n, digests[n], f) for n, f in zip(names, found, strict=True) if f != digests[n]]
+    if bad:
+        name, expected, actual = bad[0]
+        more = f" (and {len(bad) - 1} more damaged files)" if len(bad) > 1 else ""
+        return "damaged", f"{name}: digest {actual}, expected {expected}{more}"
+    return "intact", f"{_files(len(files))}, {total / 2**20:.1f} MiB, {ALGORITHM}"
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def checkpoints_of(path: str) -> tuple[list[str], bool]:
+    """The checkpoint folders that `path` names (a run directory, its `checkpoints/` folder, a
+    folder of runs such as a sweep or a run.out_dir, a checkpoint folder or its checkpoint.pt)
+    and whether it named one checkpoint."""
+    if not os.path.exists(path):
+        raise UserError(f"verify error: {path} not found")
+    if os.path.isfile(path):
+        if os.path.basename(path) == FULL_FILE:
+            return [os.path.dirname(path) or "."], True
+        raise UserError(
+            f"verify error: {path} is a file; name a checkpoint folder or a run directory"
+        )
+    if os.path.exists(os.path.join(path, MARKER)):
+        return [path], True
+    folder = os.path.join(path, CHECKPOINTS)
+    if os.path.basename(os.path.normpath(path)) == CHECKPOINTS:
+        folder = path
+    elif not os.path.isdir(folder):
+        runs = [os.path.join(path, n, CHECKPOINTS) for n in _subfolders(path)]
+        runs = [r for r in runs if os.path.isdir(r)]
+        if not runs:
+            raise UserError(
+                f"verify error: {path} is neither a checkpoint (no {MARKER} marker), a run "
+                f"directory (no {CHECKPOINTS}/ folder) nor a folder of runs"
+            )
+        return [os.path.join(r, n) for r in runs for n in _subfolders(r)], False
+    return [os.path.join(folder, n) for n in _subfolders(folder)], False
+
+
+def _subfolders(path: str) -> list[str]:
+    """Sub-folders by name, without hidden ones (`.tmp-` folders of saves in progress)."""
+    return sorted(
+        n
+        for n in os.listdir(path)
+        if not n.startswith(".") and os.path.isdir(os.path.join(path, n))
+    )
+
+
+def run(path: str, threads: int = 4) -> int:
+    """Check every checkpoint `path` names; print one line each and a summary. Exit status: 0
+    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise."""
+    folders, single = checkpoints_of(path)
+    counts = {"intact": 0, "damaged": 0, "unverified": 0, "incomplete": 0}
+    for folder in folders:
+        marker = read_marker(folder)
+        if marker_damaged(folder):
+            verdict = "damaged"
+            details = f"its {MARKER} marker is not what the save wrote: changed since"
+        elif marker is None:
+            verdict = "incomplete"
+            details = f"no {MARKER} marker: an interrupted save, never loaded"
+        else:
+            try:
+                verdict, details = _check(folder, marker, threads)
+            except OSError as e:
+                if not os.path.isdir(folder):  # rotated away by a running job meanwhile
+                    continue
+                verdict, details = "damaged", f"unreadable: {e}"
+        counts[verdict] += 1
+        print(f"{verdict:<10}  {folder}: {details}", flush=True)
+    if not folders:
+        print(f"no checkpoints in {path}")
+    damaged = counts["damaged"] + (counts["incomplete"] if single else 0)
+    shown = ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "incomplete")
+    if len(folders) > 1:
+        print(f"{len(folders)} checkpoints: {shown}")
+    return 1 if damaged else 0
+
+
+def main(args: argparse.Namespace) -> int:
+    given = [p for p in (args.path, args.run, args.checkpoint) if p is not None]
+    if len(given) != 1:
+        raise UserError(
+            "verify error: name one run directory or checkpoint (PATH, --run DIR or "
+            "--checkpoint PATH)"
+        )
+    if args.checkpoint is not None and not os.path.exists(os.path.join(args.checkpoint, MARKER)):
+        if os.path.isdir(args.checkpoint):
+            print(f"{'incomplete':<10}  {args.checkpoint}: no {MARKER} marker")
+            return 1
+    if args.run is not None and not os.path.isdir(os.path.join(args.run, CHECKPOINTS)):
+        raise UserError(f"verify error: --run {args.run}: no {CHECKPOINTS}/ folder there")
+    return run(given[0])

@@ -1,0 +1,483 @@
+"""The training loop. It reads top to bottom: epochs, optimizer steps made of micro-batches,
+logging, evaluation, checkpoints, and the decisions every rank must take together.
+
+It never reads the environment or asks for its rank itself: it uses `dist`'s helpers. It knows
+nothing about images or tokens: the task turns a batch into a loss and into metrics. Everything
+else that may run between steps is one of the `Callbacks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from dtrain import parallel
+from dtrain.checkpoint import Checkpointer
+from dtrain.config import Config
+from dtrain.core import signals
+from dtrain.core.errors import TrainingStopped
+from dtrain.data import Datasets, Loaders, to_device
+from dtrain.loop import grads
+from dtrain.loop.early_stop import EarlyStop
+from dtrain.loop.ema import SUFFIX, EmaWeights, overflowed
+from dtrain.loop.optim import LRSchedule, UserSchedule
+from dtrain.loop.state import Pending, StepTimes, TrainState, Window
+from dtrain.observe import RunLog, Throughput, log, memory_stats
+from dtrain.observe.stragglers import Stragglers
+from dtrain.parallel import average_buffers
+from dtrain.process import compat, dist
+from dtrain.process.layout import Layout
+from dtrain.process.whereabouts import Whereabouts
+from dtrain.tasks import Task, batch_size, improves
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+
+@dataclass
+class Callbacks:
+    """What else may run between steps, each hook a list that concerns subscribe to (run.py
+    fills them in): a new concern is a new entry, not an edit here.
+
+    - `first_step`: after the first optimizer step of an attempt (state sizes exist only then);
+      what they return joins the next logged record.
+    - `step_end`: after every optimizer step (the profiler's schedule).
+    - `evaluated(state, metrics)`: after every evaluation, with its `val_*` metrics.
+    - `saved(state)`: after every checkpoint (the run record).
+    - `before_stop_save(last_save_s)`: before the checkpoint of a stop signal, with how long the
+      last save took (None before the first): under SLURM, whether it fits the time left.
+    """
+
+    first_step: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    step_end: list[Callable[[], None]] = field(default_factory=list)
+    evaluated: list[Callable[[TrainState, dict[str, float]], None]] = field(default_factory=list)
+    saved: list[Callable[[TrainState], None]] = field(default_factory=list)
+    before_stop_save: list[Callable[[float | None], None]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        cfg: Config,
+        layout: Layout,
+        model: nn.Module,
+        task: Task,
+        optimizer: torch.optim.Optimizer,
+        schedule: LRSchedule | UserSchedule,
+        scaler: Any | None,
+        datasets: Datasets,
+        loaders: Loaders,
+        checkpoints: Checkpointer,
+        run_log: RunLog,
+        callbacks: Callbacks,
+        throughput: Throughput,
+    ) -> None:
+        self.cfg, self.layout, self.model, self.task = cfg, layout, model, task
+        self.optimizer, self.schedule, self.scaler = optimizer, schedule, scaler
+        self.datasets, self.loaders = datasets, loaders
+        self.checkpoints, self.state = checkpoints, checkpoints.state
+        self.run_log, self.callbacks, self.throughput = run_log, callbacks, throughput
+        self.device = layout.device
+        self.accum = layout.grad_accum
+        self.samples_per_step = layout.effective_batch
+        # An optimizer that takes `found_inf` skips a non-finite step on the device itself
+        # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
+        self.masked_step = scaler is None and compat.masked_step_supported(optimizer)
+        self.pending = Pending(self.device)
+        self.check_gradients = grads.Check(list(model.parameters()), optimizer, self.device)
+        self.window = Window()
+        # What this rank is doing, for ranks left waiting on it; and which rank is slow.
+        self.where = Whereabouts(self.state)
+        dist.publish_whereabouts(self.where)
+        self.stragglers = Stragglers(dist.host_of)
+        self.stop_requested: str | None = None
+        self.early_stop = EarlyStop(cfg.train.early_stop, cfg.ckpt, self.state)
+        self._first_step_done = False
+        self._pending_record: dict[str, Any] = {}
+        self._replaced = 0  # bad samples replaced by all ranks, as of the last agreement
+        self.last_save_s: float | None = None
+        # The averaged weights (train.ema) live with the checkpointer, which saves and loads them.
+        self.ema: EmaWeights | None = checkpoints.ema
+        if self.ema is not None and not self.ema.loaded:  # from the starting weights
+            self.ema.reset()
+
+    # -----------------------------------------------------------------------------------------
+    def fit(self) -> str:
+        """Train to the end, until a stop signal or until early stopping decides; returns
+        'finished', 'preempted' or 'stopped_early'.
+
+        The ranks meet only where `_agree()` is called (and inside evaluations and saves, which
+        every rank runs together): at steps that are the same on every rank, never on one rank's
+        clock. Everything else here runs without waiting for the device or the other ranks."""
+        # What exists now (the modules imported, the model, the data) lives as long as the run.
+        # Frozen, it is out of the cyclic collector's sight: a full collection no longer walks
+        # its ~0.33 M objects (over 0.1 s on a CPU here, on some step of some rank, which the
+        # others then wait for), and forked loader workers do not write to its pages.
+        gc.collect()
+        gc.freeze()
+        try:
+            return self._fit()
+        finally:
+            gc.unfreeze()
+
+    def _fit(self) -> str:
+        cfg, state = self.cfg, self.state
+        max_steps = cfg.train.max_steps or math.inf
+        while (
+            state.epoch < cfg.train.epochs
+            and state.step < max_steps
+            and not self.stop_requested
+            and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
+        ):
+            self.loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
+            steps_this_epoch = len(self.loaders.train) // self.accum
+            done_before = state.samples_in_epoch // self.samples_per_step
+            last_done = done_before + steps_this_epoch
+            self.run_log.progress.start_epoch(state.epoch, last_done)
+            self.model.train()
+            batches = iter(self.loaders.train)
+            epoch_finished = True
+            for done in range(done_before + 1, last_done + 1):
+                self._sync_debug(state.step >= 2)
+                last_in_epoch = done == last_done
+                at_log_step = (state.step + 1) % cfg.train.log_every == 0
+                check = (state.step + 1) % cfg.train.check_every_steps == 0 or last_in_epoch
+                times = self._train_step(batches, wants_norm=at_log_step or check)
+                if not self._first_step_done:
+                    self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
+                    self._first_step_done = True
+                state.step += 1
+                state.samples_in_epoch += self.samples_per_step
+                self.window.add(times, self.samples_per_step)
+                if at_log_step or check:
+                    self._agree()
+                self._log_step(done, at_log_step)
+                for hook in self.callbacks.step_end:
+                    hook()
+                if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
+                    self._agree()
+                    self._evaluate()
+                # A save due on an epoch's last step waits for the epoch's end, so that the
+                # checkpoint says "next epoch" and holds that epoch's evaluation.
+                if self._save_due_by_steps() and not last_in_epoch and not self.stop_requested:
+                    self._agree()
+                    self._save()
+                if self.stop_requested or state.step >= max_steps or self.early_stop.due:
+                    epoch_finished = last_in_epoch
+                    break
+            del batches  # stops the loader workers of an unfinished epoch
+            self.run_log.progress.end_epoch()
+            if epoch_finished:
+                state.epoch += 1
+                state.samples_in_epoch = 0
+                if cfg.train.eval_every_epochs and state.epoch % cfg.train.eval_every_epochs == 0:
+                    self._evaluate()
+                due_by_epochs = cfg.ckpt.every_epochs and state.epoch % cfg.ckpt.every_epochs == 0
+                if (due_by_epochs or self._save_due_by_steps()) and not self.stop_requested:
+                    self._save()
+        self._agree()
+        if self.stop_requested:
+            log.info(
+                f"stop requested ({self.stop_requested}) at step {state.step}: saving a "
+                f"checkpoint and exiting"
+            )
+            for before_save in self.callbacks.before_stop_save:
+                before_save(self.last_save_s)
+            if self.checkpoints.last_saved_step != state.step:  # (a save's check may have seen it)
+                self._save()
+            self.checkpoints.wait()
+            return "preempted"
+        # Early stopping ends a run only before its end: one whose last scheduled evaluation
+        # comes at its end has finished (a longer resume of it stops at once).
+        stopped_early = self.early_stop.due and state.epoch < cfg.train.epochs
+        stopped_early = stopped_early and state.step < max_steps
+        if state.last_eval.get("step") != state.step:
+            self._evaluate(scheduled=False)
+        if self.checkpoints.last_saved_step != state.step:
+            self._save()
+        self.checkpoints.wait()
+        if stopped_early:
+            log.info(self.early_stop.line())
+            return "stopped_early"
+        return "finished"
+
+    # -----------------------------------------------------------------------------------------
+    def _train_step(self, batches: Iterator, wants_norm: bool = True) -> StepTimes:
+        """One optimizer step. Between checks it never waits for the device: the loss, whether
+        the step was non-finite, and the gradient norm stay on the device (`Pending`). The norm
+        is computed where clipping needs it or `wants_norm` (a check follows, which reads it)."""
+        model, where, accum = self.model, self.where, self.accum
+        started = time.perf_counter()
+        # Training mode is set at each epoch's start; an evaluation between steps leaves the
+        # model in eval mode, which this restores (a walk over every module: not every step).
+        if not model.training:
+            model.train()
+        self.schedule.apply(self.state.step)
+        step_loss: torch.Tensor | None = None
+        data_wait = exchange = 0.0
+        for micro in range(accum):
+            where.phase = "data"
+            waited = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - waited
+            where.phase = "forward/backward"
+            batch = self._to_device(batch)
+            last = micro == accum - 1
+            with self._gradient_sync(last), self._autocast():
+                loss = self.task.loss(model, batch)
+                if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
+                    loss = loss / accum
+            backward_began = time.perf_counter()
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            # The last backward exchanges the gradients: the ranks wait there for the slowest.
+            exchange = time.perf_counter() - backward_began
+            # The first micro-batch's loss as it is (0 + x is x), the others added to it.
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        assert step_loss is not None  # grad_accum >= 1
+        where.phase = "optimizer"
+        # A step is non-finite when its gradients are (checked on every step, clipped or not;
+        # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is
+        # reduced over the shards: every rank reaches the same verdict. Under fp16 the grad
+        # scaler decides (an overflow lowers the scale) instead.
+        skip, norm = self.check_gradients(wants_norm, self.cfg.train.clip_grad_norm, self.scaler)
+        # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
+        # at the next check, before any evaluation or save), else the steps that changed nothing.
+        ema_skip = None
+        if self.ema is not None and self.cfg.train.nan_policy == "skip":
+            ema_skip = (skip != 0).view(())
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            if self.ema is not None:  # read before update() forgets it
+                ema_skip = overflowed(self.scaler, self.optimizer)
+            self.scaler.update()
+        elif self.masked_step:
+            compat.masked_step(self.optimizer, skip)
+        elif not bool(skip):  # an optimizer without a masked step: one wait per step
+            self.optimizer.step()
+        # Freed now, not at the next step: evaluations and saves run without them.
+        self.optimizer.zero_grad(set_to_none=True)
+        # After the gradients are freed: a masked update's temporaries take their place.
+        if self.ema is not None:
+            self.ema.update(self.state.step + 1, ema_skip)
+        self.pending.add(step_loss, skip, norm)
+        where.phase = "logging/callbacks"
+        return StepTimes(data_wait, time.perf_counter() - started, exchange)
+
+    def _sync_debug(self, on: bool) -> None:
+        """train.sync_debug on CUDA: torch warns at every synchronisation while a step runs
+        (from the third step on; the checks turn it off while they read)."""
+        if self.cfg.train.sync_debug and self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn" if on else "default")
+
+    def _agree(self) -> None:
+        """The one place where the host waits for the device and the ranks agree (fit calls it
+        at the same steps on every rank): reads the steps since the last agreement (their loss,
+        which were non-finite), whether any rank got a stop signal, how many bad samples were
+        replaced and each rank's pace, in one all-reduce; applies train.nan_policy to the
+        non-finite steps and names a straggler."""
+        self._sync_debug(False)
+        replaced = self.datasets.replaced()
+        stop = signals.received() is not None
+        agreed = self.pending.agree(stop, replaced or 0, self.window.pace())
+        self.window.agreed(agreed, self.state.step)
+        if agreed.skipped:  # there were steps since the last agreement: each rank's pace
+            self.stragglers.check(agreed.step_s, agreed.data_wait)
+        if replaced is not None:
+            self._replaced = agreed.replaced
+        if agreed.stop and not self.stop_requested:
+            self.stop_requested = signals.received() or "a stop signal on another rank"
+        first_step = self.state.step - len(agreed.skipped) + 1
+        for offset, was_skipped in enumerate(agreed.skipped):
+            self._count_skip(first_step + offset, was_skipped)
+
+    def _count_skip(self, step: int, skipped: bool) -> None:
+        state, train = self.state, self.cfg.train
+        if not skipped:
+            state.consecutive_skips = 0
+            return
+        if train.nan_policy == "stop":
+            raise TrainingStopped(
+                f"non-finite loss or gradients at step {step}; stopping "
+                f"(train.nan_policy=stop); the last good checkpoint is kept"
+            )
+        state.consecutive_skips += 1
+        state.skipped_steps += 1
+        log.warning(
+            f"step {step}: non-finite loss or gradients, optimizer step skipped "
+            f"({state.consecutive_skips} in a row, {state.skipped_steps} in all)"
+        )
+        if state.consecutive_skips > train.max_consecutive_skips:
+            raise TrainingStopped(
+                f"{state.consecutive_skips} non-finite steps in a row at step "
+                f"{step}, more than train.max_consecutive_skips="
+                f"{train.max_consecutive_skips}; stopping"
+            )
+
+    def _to_device(self, batch: Any) -> Any:
+        return to_device(batch, self.device, self.datasets.on_device, self.cfg.model.channels_last)
+
+    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Synchronise gradients only on the last micro-batch of an accumulated step."""
+        if self.accum == 1:
+            return parallel.NOTHING
+        if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
+            cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
+            return parallel.NOTHING
+        no_sync = getattr(self.model, "no_sync", None) if not sync else None
+        if no_sync is not None:
+            return no_sync()
+        return parallel.NOTHING
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
+
+    # -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics over the whole validation set as `val_<name>`, each sample counted
+        once over all ranks; identical on every rank (one all-reduce of all the sums)."""
+        model = self.model
+        self._consistent_buffers()
+        model.eval()
+        names: list[str] = []
+        sums: torch.Tensor | None = None  # one per metric, then the count of samples
+        position = 0  # this rank's sample number; the padding beyond valid_count is ignored
+        for batch in self.loaders.val:
+            batch = self._to_device(batch)
+            with self._autocast():
+                values = self.task.metrics(model, batch)
+            if sums is None:  # the task's own order (every rank runs the same task)
+                names = list(values)
+                sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+            size = batch_size(batch)
+            valid = (
+                torch.arange(position, position + size, device=self.device)
+                < self.loaders.val_sampler.valid_count
+            )
+            position += size
+            for i, name in enumerate(names):
+                sums[i] += torch.where(valid, values[name].double(), 0.0).sum()
+            sums[-1] += valid.double().sum()
+        assert sums is not None  # the loaders refuse an empty validation set
+        dist.all_reduce_sum(sums)
+        *totals, count = sums.tolist()
+        means = {name: total / count for name, total in zip(names, totals, strict=False)}
+        summarize = getattr(self.task, "summarize", None)
+        if summarize is not None:
+            means.update(summarize(dict(means)))
+        return {f"val_{name}": value for name, value in means.items()}
+
+    def _evaluate(self, scheduled: bool = True) -> None:
+        """Evaluate and record; early stopping counts the `scheduled` evaluations, once per step
+        (an epoch's end may evaluate again the step that eval_every_steps just evaluated)."""
+        assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
+        with self.where.doing("evaluation"):
+            metrics = self.evaluate()
+            if self.ema is not None and self.ema.evaluates:
+                with self.ema.swapped():
+                    metrics.update({k + SUFFIX: v for k, v in self.evaluate().items()})
+        state = self.state
+        again = state.last_eval.get("step") == state.step
+        state.last_eval = {"step": state.step, **metrics}
+        value = metrics.get(self.cfg.ckpt.monitor)
+        self.schedule.on_eval(value)
+        if scheduled and not again:
+            self.early_stop.count(value)
+        if value is not None and improves(value, state.best_metric, self.cfg.ckpt.monitor_mode):
+            state.best_metric = value
+        self.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
+        for hook in self.callbacks.evaluated:
+            hook(state, metrics)
+
+    def _save_due_by_steps(self) -> bool:
+        every = self.cfg.ckpt.every_steps
+        if not every:
+            return False
+        return self.state.step % every == 0
+
+    def _consistent_buffers(self) -> None:
+        """Without sync_batchnorm every rank's BatchNorm statistics follow its own batches: use
+        their mean for evaluation and checkpoints, the same on every rank."""
+        if not self.cfg.parallel.sync_batchnorm:
+            average_buffers(self.model)
+
+    def _save(self) -> None:
+        started = time.perf_counter()
+        # The non-finite policy first: a checkpoint never follows a bad step unseen.
+        assert not self.pending.steps, "a save follows an agreement of the ranks"
+        with self.where.doing("checkpoint"):
+            self._consistent_buffers()
+            if dist.any_rank(not _all_finite(self.model), self.device):
+                raise TrainingStopped(
+                    f"the weights are not finite at step {self.state.step}; not "
+                    f"saving them (the last good checkpoint is kept)"
+                )
+            self.checkpoints.save()
+        self.last_save_s = time.perf_counter() - started
+        for hook in self.callbacks.saved:
+            hook(self.state)
+
+    # -----------------------------------------------------------------------------------------
+    def _log_step(self, done_in_epoch: int, at_log_step: bool) -> None:
+        """A record every train.log_every steps (and a console line when log.every_s passes
+        without one); between them only the progress bar's counter moves, with the figures of
+        the last record. No collectives: what it shows comes from the last agreement."""
+        state, progress, window = self.state, self.run_log.progress, self.window
+        if not (at_log_step or progress.line_due()):
+            progress.tick(done_in_epoch)
+            return
+        samples_per_s = window.samples_per_s()
+        record: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
+        if at_log_step:  # the record: the mean over its window's steps
+            record["loss"] = window.mean_loss()
+        elif window.last_loss is not None:  # a line between records: the last loss read
+            record["loss"], record["loss_step"] = window.last_loss
+        record.update(
+            lr=self.optimizer.param_groups[0]["lr"],
+            samples_per_s=samples_per_s,
+            **self.throughput.figures(samples_per_s),
+        )
+        if window.grad_norm is not None:
+            record["grad_norm"] = window.grad_norm
+        if at_log_step:
+            record.update(step_time_s=window.mean_step_time(), data_wait_pct=window.data_wait_pct())
+            record.update(self.stragglers.figures)  # each rank's step time, at the last check
+            if state.skipped_steps:
+                record["skipped_steps"] = state.skipped_steps
+            record.update(self._pending_record)
+            if self._replaced:
+                record["bad_samples_replaced"] = self._replaced
+            self._pending_record = {}
+            if self.scaler is not None:
+                record["loss_scale"] = float(self.scaler.get_scale())
+        extra = {f"mem/{k}": v for k, v in memory_stats(self.device).items()} if at_log_step else {}
+        self.run_log.train(record, extra, done_in_epoch, at_log_step)
+        if at_log_step:
+            window.reset()
+
+
+def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+@torch.no_grad()
+def _all_finite(model: nn.Module) -> bool:
+    """Whether this rank's parameters (its shards under FSDP) are all finite: one fused check."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [t for t in local if t.numel()]
+    return not local or bool(torch.isfinite(nn.utils.get_total_norm(local, norm_type=math.inf)))

@@ -1,0 +1,485 @@
+"""`dtrain train`: put the pieces together in the order of DESIGN.md's flow, and take them apart.
+
+config -> env -> dist -> run directory (lock, shared storage) -> data -> model -> parallel ->
+optimizer -> checkpoint resume -> Trainer.fit() -> records -> (requeue) -> dist.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import checkpoint, data, models, parallel, tasks
+from dtrain.config import Config, dump, is_length_change
+from dtrain.core import signals
+from dtrain.core.errors import PeerFailure, UserError, first_line
+from dtrain.data.sampler import epoch_steps
+from dtrain.files.store import RunDirLock, Store
+from dtrain.loop import optim
+from dtrain.loop.ema import EmaWeights, monitored_metric
+from dtrain.loop.state import TrainState
+from dtrain.loop.trainer import Callbacks, Trainer
+from dtrain.observe import (
+    RunLog,
+    StartupClock,
+    Throughput,
+    attach_log_files,
+    log,
+    peak_flops,
+    profiling,
+    setup_logging,
+)
+from dtrain.observe.trackers import check_installed as check_trackers
+from dtrain.process import dist, rng, slurm
+from dtrain.process import env as env_mod
+from dtrain.process import layout as layout_mod
+from dtrain.process.layout import Layout, Steps
+from dtrain.run import records
+from dtrain.run.weights import StartingWeights
+
+
+def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> None:
+    """An unnamed run is named after its SLURM job (`job_<id>`: a requeued job finds its run
+    again, and two jobs of one config never share a directory), else after its config file
+    (`configs/default.yaml` -> `default`), else `default`. The shipped configs name no run."""
+    if cfg.run.name is not None:
+        return
+    if env.slurm_job_id:
+        cfg.run.name = f"job_{env.slurm_job_id}"
+    elif config_path:
+        cfg.run.name = os.path.splitext(os.path.basename(config_path))[0] or "default"
+    else:
+        cfg.run.name = "default"
+
+
+def prepare_run_dir(cfg: Config) -> str:
+    run_dir = cfg.run_dir
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(
+            f"output error: cannot write the run directory '{run_dir}' "
+            f"({e.strerror}); set run.out_dir to a writable place"
+        ) from None
+    return run_dir
+
+
+def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
+    """Before anything is written: rank 0 creates the run directory and takes its lock (a second
+    launch on the same directory exits 2 naming the holder), and every rank checks that it sees
+    the same directory. The same UserError on every rank when something is wrong."""
+    if cfg.run.private:
+        os.umask(0o077)  # every directory 0700 and file 0600 that this process creates
+
+    def claim() -> None:
+        prepare_run_dir(cfg)
+        lock.acquire(slurm.job_label(env.slurm_job_id))
+
+    dist.on_main(claim)
+    os.makedirs(cfg.run_dir, exist_ok=True)  # ranks on other nodes, where it may not be shared
+    dist.check_shared(cfg.run_dir)
+    return cfg.run_dir
+
+
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (EMA weights count
+    as such), and what the same state would take unsharded (DDP holds all of it on every rank)."""
+
+    def local_and_full(t: torch.Tensor) -> tuple[int, int]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size(), t.numel() * t.element_size()
+
+    totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
+    for p in model.parameters():
+        local, full = local_and_full(p)
+        totals["params"] += local
+        totals["unsharded"] += full
+        if p.requires_grad:  # its gradient, as large, exists from each backward to the step
+            totals["grads"] += local
+            totals["unsharded"] += full
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                local, full = local_and_full(value)
+                totals["optimizer"] += local
+                totals["unsharded"] += full
+    for average in ema.average if ema is not None else []:
+        local, full = local_and_full(average)
+        totals["optimizer"] += local
+        totals["unsharded"] += full
+    totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
+    return totals
+
+
+def make_scaler(cfg: Config, layout: Layout) -> Any | None:
+    if cfg.train.precision != "fp16":
+        return None
+    if layout.is_fsdp:
+        # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=layout.device.type, init_scale=cfg.train.loss_scale_init)
+    return torch.amp.GradScaler(layout.device.type, init_scale=cfg.train.loss_scale_init)
+
+
+@dataclass
+class Pieces:
+    """What a run trains, built and checked before anything is written."""
+
+    datasets: data.Datasets
+    loaders: data.Loaders
+    steps: Steps
+    task: tasks.Task
+    model: nn.Module  # wrapped for the parallel mode
+    num_params: int
+    notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
+    starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
+
+
+def train(cfg: Config, config_path: str | None = None) -> str:
+    """Run training; returns 'finished', 'preempted' or 'stopped_early' (train.early_stop).
+    Raises UserError for bad input."""
+    clock = StartupClock()
+    clock.mark("imports")
+    env = env_mod.detect()
+    resolve_run_name(cfg, env, config_path)
+    layout = layout_mod.resolve(cfg, env)
+    check_trackers(cfg)  # an enabled tracker without its library: exit 2 before any process group
+    dist.init(layout, cfg.dist)
+    clock.mark("process group")
+    # The console from now on; the run directory's log files once the directory is this run's.
+    setup_logging(dist.rank(), cfg.log.all_ranks)
+    signals.install()
+    lock = RunDirLock(cfg.run_dir)
+    record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
+    loaders: data.Loaders | None = None
+    try:
+        pieces = build_pieces(cfg, layout, clock)
+        loaders = pieces.loaders
+        claim_run_dir(cfg, lock, env)
+        attach_log_files(cfg.run_dir, dist.rank())
+        outcome = _train(cfg, layout, record, pieces, clock)
+        if outcome == "preempted" and dist.is_main():
+            slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
+        # No rank leaves before rank 0 has published the last checkpoint and requeued: under
+        # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
+        dist.barrier()
+        return outcome
+    except BaseException as e:
+        if isinstance(e, UserError):
+            dist.announce_abort(str(e))  # the other ranks stop with the same line
+        record.fail(e)
+        raise
+    finally:
+        data.close_loaders(loaders)
+        signals.uninstall()
+        lock.release()
+        dist.shutdown()
+
+
+def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
+    """Data, task and model, wrapped for the parallel mode, and the task tried once on a
+    validation batch: a task or model that cannot work ends here, with nothing written."""
+    _set_torch_flags(cfg)
+    rng.reseed(cfg.run.seed)
+    overfit = cfg.train.overfit_batches
+    data_cfg = cfg.data
+    if overfit:  # overfitting a fixed set of batches: the same samples every time
+        data_cfg = dataclasses.replace(data_cfg, augment=False)
+    datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
+    workers, why = data.workers_for(data_cfg, layout.ranks_per_node)
+    notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
+    loaders = data.loaders(
+        datasets.train,
+        datasets.val,
+        cfg=data_cfg,
+        seed=cfg.run.seed,
+        rank=dist.rank(),
+        world_size=layout.world_size,
+        device=layout.device,
+        overfit_batches=overfit,
+        workers=workers,
+    )
+    if overfit:
+        notes.append(
+            f"overfit check: the same {overfit} batch(es) per rank every epoch, "
+            f"augmentation off; the training loss should fall towards 0"
+        )
+    steps = epoch_steps(layout, cfg, len(datasets.train))
+    task = tasks.build(cfg.task, datasets.info)
+    clock.mark("data")
+    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout)
+    notes += model_notes
+    clock.mark("model and wrap")
+    _check_task(cfg, layout, task, wrapped, loaders.val, datasets.on_device)
+    if layout.is_fsdp:
+        parallel.reshard(wrapped)
+    starting = (
+        StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
+    )
+    clock.mark("task check")
+    return Pieces(datasets, loaders, steps, task, wrapped, num_params, notes, starting)
+
+
+def _check_task(
+    cfg: Config,
+    layout: Layout,
+    task: tasks.Task,
+    model: nn.Module,
+    val_loader: Any,
+    on_device: Any,
+) -> None:
+    """The task once on the first validation batch, on every rank; the first problem any rank
+    finds ends every rank with the same line (exit 2)."""
+    batch = data.to_device(
+        next(iter(val_loader)), layout.device, on_device, cfg.model.channels_last
+    )
+    try:
+        with parallel.autocast(cfg.train.precision, layout.is_fsdp, layout.device):
+            problem = tasks.check(task, model, batch, monitored_metric(cfg))
+    except UserError as e:
+        problem = str(e)
+    problems = [p for p in dist.gather_objects(problem) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+def _train(
+    cfg: Config,
+    layout: Layout,
+    record: records.RunRecord,
+    pieces: Pieces,
+    clock: StartupClock,
+) -> str:
+    run_dir = cfg.run_dir
+    record.start(run_dir)
+    if dist.is_main():
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(dump(cfg))
+    model = pieces.model
+    optimizer = optim.build_optimizer(model, cfg.optim)
+    schedule = optim.build_schedule(
+        optimizer, cfg.sched, cfg.optim.lr, pieces.steps.total, cfg.ckpt.monitor_mode
+    )
+    scaler = make_scaler(cfg, layout)
+    torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
+    parts: dict[str, checkpoint.Stateful] = {"schedule": schedule}
+    if scaler is not None:
+        parts["scaler"] = scaler
+    state = TrainState()
+    ema = EmaWeights.build(cfg, model)  # None unless train.ema.decay is set
+    checkpoints = checkpoint.Checkpointer(
+        cfg=cfg,
+        layout=layout,
+        store=Store(run_dir),
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        parts=parts,
+        model_info=models.model_info(cfg.model, pieces.datasets.info),
+        ema=ema,
+    )
+    resumed = checkpoints.resume()
+    if resumed:
+        _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
+        if pieces.starting_weights:
+            log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
+    elif pieces.starting_weights:
+        log.info(pieces.starting_weights.load(model))
+    run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
+    pieces.notes.append(optim.describe_groups(optimizer))
+    clock.mark("run directory and resume")
+    _banner(cfg, layout, pieces, run_dir, resumed)
+    profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
+
+    # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
+    # and where it changed since the checkpoint, from what: an elastic run shows its changes.
+    world: dict[str, Any] = {"world_size": layout.world_size}
+    if resumed and resumed.world_size != layout.world_size:
+        world["world_size_from"] = resumed.world_size
+        record.world_size_changed(resumed.world_size, layout.world_size, resumed.step)
+
+    def first_step() -> dict[str, Any]:
+        clock.mark("first step")
+        log.info(clock.line())
+        return {**world, **_log_state_bytes(model, optimizer, ema)}
+
+    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
+    if layout.env.slurm_job_id and dist.is_main():
+        job_id = layout.env.slurm_job_id
+        callbacks.before_stop_save.append(
+            lambda last_save_s: slurm.check_grace(job_id, last_save_s)
+        )
+    peak = peak_flops(layout.device, cfg.train.precision)
+    throughput = Throughput(
+        getattr(pieces.task, "tokens_per_sample", None),
+        pieces.num_params,
+        peak * layout.world_size if peak else None,
+    )
+    trainer = Trainer(
+        cfg=cfg,
+        layout=layout,
+        model=model,
+        task=pieces.task,
+        optimizer=optimizer,
+        schedule=schedule,
+        scaler=scaler,
+        datasets=pieces.datasets,
+        loaders=pieces.loaders,
+        checkpoints=checkpoints,
+        run_log=run_log,
+        callbacks=callbacks,
+        throughput=throughput,
+    )
+    try:
+        profiler.start()
+        outcome = _fit_naming_lost_peers(trainer, cfg)
+        profiler.stop()
+        final = {k: v for k, v in state.last_eval.items() if k.startswith("val_")}
+        run_log.hparams(state.step, {**final, f"best_{cfg.ckpt.monitor}": state.best_metric})
+    finally:
+        run_log.close()
+    record.update(state, outcome)
+    log.info(f"{outcome} at step {state.step}: {run_dir}")
+    return outcome
+
+
+# Changes of what a step is (allowed only with ckpt.resume_config_change=allow): the schedule
+# made for the old steps cannot continue as it was. train.epochs and train.max_steps are the
+# run's length: ckpt.on_length_change.
+_SCHEDULE_KEYS = (
+    "data.batch_size",
+    "train.grad_accum",
+    "sched.",
+)
+
+
+def _reconcile_schedule(
+    schedule: Any, changes: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
+) -> None:
+    """A resumed schedule keeps the length it had when the run started (another world size does
+    not bend it), unless the user changed the run's length on purpose: changes of what a step is
+    (allowed with ckpt.resume_config_change=allow) re-span it; a changed train.epochs or
+    train.max_steps does what ckpt.on_length_change says, in one line."""
+    if any(c.startswith(_SCHEDULE_KEYS) for c in changes):
+        log.info(
+            f"the learning-rate schedule now spans {steps.total} steps "
+            f"(was {schedule.total_steps}), following the changed config"
+        )
+        schedule.total_steps = max(1, steps.total)
+        return
+    length = [c for c in changes if is_length_change(c)]
+    if length:
+        log.info(_length_change(schedule, length, cfg, state, layout, steps))
+
+
+def _length_change(
+    schedule: Any, length: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
+) -> str:
+    """Applies ckpt.on_length_change to the schedule and says what the run now does."""
+    step_samples = layout.batch_size * layout.world_size * layout.grad_accum
+    done_in_epoch = state.samples_in_epoch // step_samples
+    left = steps.per_epoch * (cfg.train.epochs - state.epoch) - done_in_epoch
+    end = state.step + max(0, left)
+    if cfg.train.max_steps:
+        end = min(end, cfg.train.max_steps)
+    said = f"run length changed on resume ({'; '.join(length)})"
+    if end <= state.step:
+        said += f": the run is done at step {state.step}; nothing is left to train"
+    else:
+        said += f": training continues from step {state.step} to step {end}"
+    lr_at = getattr(schedule, "lr_at", None)
+    if lr_at is None:  # a user's scheduler: built for the new length, then given its saved state
+        return f"{said}; the user schedule {cfg.sched.name} was built for {steps.total} steps"
+    old_total, before = schedule.total_steps, lr_at(state.step)
+    if cfg.ckpt.on_length_change == "keep":
+        return (
+            f"{said}; the learning-rate schedule keeps its {old_total} steps "
+            f"(ckpt.on_length_change=keep): lr {before:.4g} at step {state.step}, and "
+            f"{lr_at(old_total):.4g} from step {old_total} on"
+        )
+    schedule.total_steps = max(1, steps.total)
+    return (
+        f"{said}; the learning-rate schedule is re-spanned from {old_total} to "
+        f"{schedule.total_steps} steps, as if the run had been this long from the start "
+        f"(ckpt.on_length_change=respan): lr at step {state.step} {before:.4g} -> "
+        f"{lr_at(state.step):.4g}"
+    )
+
+
+def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
+    """Run the loop; a collective broken by another rank becomes one clear line naming it."""
+    try:
+        return trainer.fit()
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a failed collective
+        if not dist.is_distributed() or not dist.is_collective_failure(e):
+            raise
+        announced = dist.abort_message()
+        if announced is not None:  # another rank stopped on bad input: the same line, exit 2
+            raise UserError(announced) from None
+        step = trainer.state.step + 1
+        missing = dist.ranks_not_arriving(f"step{step}")
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not arrive"
+            if missing
+            else "another rank failed"
+        )
+        raise PeerFailure(
+            f"distributed error at step {step} on rank {dist.rank()}: {who} "
+            f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
+            f"backend said: {first_line(e)}"
+        ) from e
+
+
+def _set_torch_flags(cfg: Config) -> None:
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
+
+
+def _log_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None
+) -> dict[str, int]:
+    sizes = state_bytes(model, optimizer, ema)
+    mib = {k: v / 2**20 for k, v in sizes.items()}
+    log.info(
+        f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
+        f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
+        f"{mib['unsharded']:.2f} MiB"
+    )
+    return {"state_bytes": sizes["total"], "state_bytes_unsharded": sizes["unsharded"]}
+
+
+def _banner(
+    cfg: Config, layout: Layout, pieces: Pieces, run_dir: str, resumed: checkpoint.Resumed | None
+) -> None:
+    world = layout.world_size
+    source = f"resumed from {resumed.path} at step {resumed.step}" if resumed else "fresh start"
+    if resumed and resumed.world_size != world:
+        source += f" (world size {resumed.world_size} -> {world})"
+    log.info(
+        f"dtrain | {layout.env.describe()} | device {layout.device} | backend "
+        f"{layout.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}"
+    )
+    log.info(
+        f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
+        f"{cfg.task.name} | data {cfg.data.name} | effective batch {layout.effective_batch} = "
+        f"{layout.batch_size} per rank x {world} rank(s) x {layout.grad_accum} "
+        f"accumulation | {pieces.steps.per_epoch} steps per epoch"
+    )
+    for note in pieces.notes:
+        log.info(note)
+    log.info(f"run directory {run_dir} | {source}")

@@ -1,0 +1,325 @@
+"""Run records: `<run.out_dir>/runs.csv`, one row per run directory, so that every past run is
+found in one table (`dtrain runs`).
+
+Rank 0 of a run writes its row at the start (status running), after every checkpoint and at the
+end (finished, preempted, stopped_early or failed). Runs sharing an out_dir may write at the same
+moment: each write holds an exclusive lock on `runs.csv.lock`, reads the table, replaces its own
+row and renames a complete new file into place, so that readers never see a half-written table.
+
+A resumed run (same name, with a checkpoint to resume from) keeps its row's start time and adds up
+the wall time of its attempts. A run killed outright (SIGKILL, a lost node) cannot write: its row
+says running until it is resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime
+import fcntl
+import hashlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+from dtrain.config import Config, to_dict, training_part
+from dtrain.core.errors import UserError
+from dtrain.files.store import CHECKPOINTS, LATEST, Store
+from dtrain.observe import clock, log
+from dtrain.process import slurm
+
+FILE = "runs.csv"
+COLUMNS = (
+    "name",
+    "status",
+    "started",
+    "wall_time_s",
+    "attempts",
+    "step",
+    "world_size",
+    "monitor",
+    "best_metric",
+    "best_checkpoint",
+    "git_commit",
+    "config_hash",
+    "mode",
+    "model",
+    "data",
+    "optimizer",
+    "lr",
+    "effective_batch",
+    "epochs",
+    "max_steps",
+    "precision",
+    "seed",
+    "error",
+    "world_size_changes",
+    "slurm_job",
+)
+# What `dtrain runs` shows, and under which heading.
+SHOWN = (
+    ("name", "run"),
+    ("status", "status"),
+    ("started", "started"),
+    ("wall_time_s", "wall"),
+    ("step", "step"),
+    ("world_size", "world"),
+    ("best", "best"),
+    ("best_checkpoint", "best checkpoint"),
+    ("model", "model"),
+    ("optimizer", "optim"),
+    ("lr", "lr"),
+    ("effective_batch", "batch"),
+    ("git_commit", "commit"),
+    ("config_hash", "config"),
+)
+
+
+def config_hash(cfg: Config) -> str:
+    """Equal for runs that train the same thing: the resolved config without the keys that do
+    not change what is trained (config.NOT_TRAINING: name, place, logging, checkpoints, ...)."""
+    data = training_part(to_dict(cfg))
+    return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def git_commit(cwd: str) -> str:
+    """HEAD of the git work tree the run was started from, with '-dirty' when tracked files differ
+    from it; '' outside a work tree or without git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return ""
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def best_checkpoint(run_dir: str, monitor: str, mode: str) -> str:
+    """The complete checkpoint with the best `monitor` value, as an absolute path (the table may
+    be read from another directory); '' when none has one."""
+    best = Store(run_dir).best(monitor, mode)
+    return os.path.abspath(best.path) if best is not None else ""
+
+
+class RunRecord:
+    """This run's row. Every method is a no-op except on rank 0 once `start` has run."""
+
+    def __init__(self, cfg: Config, world_size: int, is_main: bool) -> None:
+        self.cfg, self.world_size, self.is_main = cfg, world_size, is_main
+        self.path = os.path.join(cfg.run.out_dir, FILE)
+        self.run_dir = ""
+        self.started = False
+        self.ended = False
+        self.attempt_start = time.monotonic()
+        self.earlier_wall_s = 0.0
+
+    def start(self, run_dir: str) -> None:
+        """Write the row as running; a resumed run continues its earlier row."""
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        resuming = cfg.ckpt.resume != "none" and os.path.exists(
+            os.path.join(run_dir, CHECKPOINTS, LATEST)
+        )
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        name = self._name()
+        row = {
+            "name": name,
+            "status": "running",
+            "started": now,
+            "wall_time_s": "0",
+            "attempts": "1",
+            "step": "0",
+            "world_size": str(self.world_size),
+            "monitor": cfg.ckpt.monitor,
+            "best_metric": "",
+            "best_checkpoint": "",
+            "git_commit": git_commit(os.getcwd()),
+            "config_hash": config_hash(cfg),
+            "mode": cfg.parallel.mode,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "optimizer": cfg.optim.name,
+            "lr": str(cfg.optim.lr),
+            "effective_batch": str(cfg.data.batch_size * self.world_size * cfg.train.grad_accum),
+            "epochs": str(cfg.train.epochs),
+            "max_steps": str(cfg.train.max_steps or ""),
+            "precision": cfg.train.precision,
+            "seed": str(cfg.run.seed),
+            "error": "",
+            # `<array job>_<task>` for a task of a job array (a sweep's trial), as squeue shows it
+            "slurm_job": slurm.job_label(os.environ.get("SLURM_JOB_ID")) or "",
+        }
+        try:
+            with _table(self.path) as rows:
+                earlier = rows.get(name)
+                if resuming and earlier is not None:
+                    self.earlier_wall_s = _float(earlier.get("wall_time_s"))
+                    row.update(
+                        started=earlier.get("started") or now,
+                        attempts=str(int(_float(earlier.get("attempts"))) + 1),
+                        step=earlier.get("step") or "0",
+                        best_metric=earlier.get("best_metric", ""),
+                        best_checkpoint=earlier.get("best_checkpoint", ""),
+                        world_size_changes=earlier.get("world_size_changes", ""),
+                    )
+                rows[name] = row
+        except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
+            log.warning(f"run records: cannot write {self.path} ({e}); this run is not recorded")
+            return
+        self.run_dir = run_dir
+        self.started = True
+
+    def update(self, state: Any, status: str = "running") -> None:
+        """After a checkpoint (running) and at the end (finished, preempted or stopped_early)."""
+        if not self.started or self.ended:
+            return
+        ckpt = self.cfg.ckpt
+        fields = {
+            "status": status,
+            "step": str(state.step),
+            "best_checkpoint": best_checkpoint(self.run_dir, ckpt.monitor, ckpt.monitor_mode),
+        }
+        if state.best_metric is not None:
+            fields["best_metric"] = f"{state.best_metric:.6g}"
+        self._write(fields)
+        self.ended = status != "running"
+
+    def world_size_changed(self, before: int, after: int, step: int) -> None:
+        """A resume at another world size (an elastic run losing or gaining a node): one entry
+        `A->B@step` per change in the row's world_size_changes, oldest first."""
+        if not self.started or self.ended:
+            return
+        try:
+            with _table(self.path) as rows:
+                row = rows.setdefault(self._name(), {"name": self._name()})
+                earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
+                row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
+        except (OSError, csv.Error) as e:
+            log.warning(f"run records: cannot update {self.path} ({e})")
+
+    def fail(self, error: BaseException) -> None:
+        """The run ended with an exception: status failed, with the error's first line."""
+        if not self.started or self.ended:
+            return
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.ended = True
+        self._write({"status": "failed", "error": f"{type(error).__name__}: {message}"[:200]})
+
+    def _name(self) -> str:
+        # The run is named before its record starts; the fallback is Config.run_dir's.
+        return self.cfg.run.name or "default"
+
+    def _write(self, fields: dict[str, str]) -> None:
+        wall = self.earlier_wall_s + time.monotonic() - self.attempt_start
+        try:
+            with _table(self.path) as rows:
+                name = self._name()
+                row = rows.setdefault(name, {"name": name})
+                row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
+        except (OSError, csv.Error) as e:  # a full disk must not end the run (or hide its error)
+            log.warning(f"run records: cannot update {self.path} ({e})")
+
+
+@contextlib.contextmanager
+def _table(path: str) -> Iterator[dict[str, dict[str, str]]]:
+    """The rows by run name, under an exclusive lock; written back (temp file + rename) on exit."""
+    with open(path + ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:  # some cluster file systems (Lustre without -o flock) refuse locks
+            log.warning(f"run records: cannot lock {path}.lock ({e.strerror}); writing without it")
+        rows, extra_columns = _read(path)
+        yield rows
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra_columns], restval="")
+                writer.writeheader()
+                writer.writerows(rows.values())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):  # a failed write leaves the old table as it was
+                os.remove(tmp)
+
+
+def mark_failed(out_dir: str, name: str, error: str) -> None:
+    """The row of a run that ended badly without saying so (it failed before its record started,
+    or was killed outright) says failed, with `error` unless it named its own."""
+    with _table(os.path.join(out_dir, FILE)) as rows:
+        row = rows.setdefault(name, {"name": name, "status": "failed"})
+        if row.get("status") != "failed" or not row.get("error"):
+            row.update(status="failed", error=row.get("error") or error)
+
+
+def _read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Rows by name, in file order, and columns this version does not know (kept as they are)."""
+    if not os.path.exists(path):
+        return {}, []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = {row["name"]: row for row in reader if row.get("name")}
+        extra = [c for c in reader.fieldnames or () if c not in COLUMNS]
+    return rows, extra
+
+
+def read(out_dir: str) -> dict[str, dict[str, str]]:
+    """The rows of `out_dir/runs.csv` by run name, in file order; none without the file."""
+    return _read(os.path.join(out_dir, FILE))[0]
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text or 0)
+    except ValueError:
+        return 0.0
+
+
+def table(out_dir: str) -> str:
+    """`dtrain runs`: the records of `out_dir` as an aligned text table, oldest first."""
+    if not os.path.isdir(out_dir):
+        raise UserError(
+            f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
+            f"your runs with --out-dir"
+        )
+    rows, _ = _read(os.path.join(out_dir, FILE))
+    if not rows:
+        return f"no runs recorded in {os.path.join(out_dir, FILE)}"
+    lines = []
+    for row in rows.values():
+        shown = dict(row)
+        shown["started"] = (row.get("started") or "")[:16].replace("T", " ")
+        shown["wall_time_s"] = clock(_float(row.get("wall_time_s")), always_hours=True)
+        shown["best"] = (
+            f"{row.get('monitor')} {row['best_metric']}" if row.get("best_metric") else ""
+        )
+        if row.get("best_checkpoint"):  # relative to out_dir: the table stays narrow
+            shown["best_checkpoint"] = os.path.relpath(row["best_checkpoint"], out_dir)
+        shown["git_commit"] = (row.get("git_commit") or "")[:10] + (
+            "-dirty" if (row.get("git_commit") or "").endswith("-dirty") else ""
+        )
+        lines.append([shown.get(key) or "-" for key, _ in SHOWN])
+    header = [title for _, title in SHOWN]
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    text = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)).rstrip()
+        for r in [header, *lines]
+    ]
+    failed = [row for row in rows.values() if row.get("status") == "failed" and row.get("error")]
+    text += [f"{row['name']}: {row['error']}" for row in failed]
+    return "\n".join(text)

@@ -1,0 +1,164 @@
+"""Where a model's initial weights come from when not from its own initialisation, for
+fine-tuning: `model.init_from` (a dtrain checkpoint, an exported state_dict, a torchvision `.pth`)
+and `model.pretrained` (torchvision's weights from the local torch hub cache). Weights only: the
+optimizer, the schedule and the step start fresh.
+
+Rank 0 reads a file (memory-mapped) and the other ranks receive what they hold (their shards
+under FSDP): the file is read once, whatever the number of ranks. A sharded dtrain checkpoint is
+read by every rank, each its own shards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from dtrain.checkpoint.state import (
+    FULL_FILE,
+    dcp_model_shapes,
+    load_checked,
+    read_sharded,
+    shape_mismatch,
+)
+from dtrain.config import ModelConfig
+from dtrain.core.errors import UserError, first_line
+from dtrain.files.store import read_marker
+from dtrain.process import dist
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+
+
+def pretrained_path(model_name: str) -> str:
+    """Where torchvision's default weights of `tv:<model_name>` lie in the torch hub cache, or a
+    UserError saying which file to put where (nothing is downloaded at run time)."""
+    import torchvision
+
+    name = model_name.removeprefix("tv:")
+    try:
+        weights = torchvision.models.get_model_weights(name).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        raise UserError(
+            f"config error: model.pretrained: torchvision has no weights for {model_name}"
+        ) from None
+    filename = os.path.basename(weights.url)
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
+    if not os.path.isfile(path):
+        raise UserError(
+            f"config error: model.pretrained: torchvision's weights for {model_name} "
+            f"are not in the torch hub cache; put {filename} (from {weights.url}) at "
+            f"{path} (dtrain downloads nothing at run time)"
+        )
+    return path
+
+
+def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
+    """The model weights in a file: a dtrain full checkpoint's `model` (checked against its
+    marker's digest), or a plain state_dict."""
+    data = load_checked(path, mmap=True)
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "train_state" in data:
+        data = data["model"]
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise UserError(
+            f"config error: model.init_from: {path} holds no state_dict (a mapping of "
+            f"parameter names to tensors) nor a dtrain checkpoint"
+        )
+    return data
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict (DTensors under FSDP): a model's state holds only tensors, which
+    get_model_state_dict's return type, shared with optimizer state, does not say."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model))
+
+
+class StartingWeights:
+    """The weights model.init_from or model.pretrained names, checked against the model before
+    anything of the run is written (on construction), loaded once the run knows it starts fresh
+    (`load`).
+    Strict unless model.init_strict is false: every weight of the model not excluded by
+    model.init_exclude must be in the file, with its shape."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
+        ours = _model_tensors(model)
+        self.excluded = {k for k in ours if self._excluded(k)}
+        shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
+        folder = self.path if os.path.isdir(self.path) else None
+        sharded = folder is not None and (read_marker(folder) or {}).get("format") == "sharded"
+        self.sharded_folder = folder if sharded else None
+        if folder is not None and self.sharded_folder is None:
+            self.path = os.path.join(folder, FULL_FILE)
+        if not os.path.exists(self.path):
+            raise UserError(f"config error: model.init_from: {self.path} not found")
+        self.weights: dict[str, torch.Tensor] | None = None  # read by rank 0 only
+        self.count = dist.on_main(lambda: self._check(shapes))
+
+    def _excluded(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in self.cfg.init_exclude)
+
+    def _check(self, shapes: dict[str, tuple]) -> int:
+        if self.sharded_folder is not None:
+            theirs = {
+                k: v
+                for k, v in dcp_model_shapes(self.sharded_folder).items()
+                if k not in self.excluded
+            }
+        else:  # memory-mapped: read as the broadcast goes
+            self.weights = {
+                k: v for k, v in _state_dict_of(self.path).items() if not self._excluded(k)
+            }
+            theirs = {k: tuple(v.shape) for k, v in self.weights.items()}
+        problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
+        if problem:
+            raise UserError(
+                f"config error: model.init_from: {self.path}: {problem}; leave weights "
+                f"out with model.init_exclude (e.g. [fc.*] for another head)"
+            )
+        return len(set(shapes) & set(theirs))
+
+    def load(self, model: nn.Module) -> str:
+        """Into `model`: rank 0 broadcasts each tensor (every rank keeps its shard), or, from a
+        sharded checkpoint, each rank reads its own. Returns a line for the log."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        try:
+            if self.sharded_folder is not None:
+                staged: dict[str, dict[str, ValueType]] = {
+                    "model": {
+                        k: torch.empty_like(v)
+                        for k, v in _model_tensors(model).items()
+                        if k not in self.excluded
+                    }
+                }
+                read_sharded(self.sharded_folder, staged)
+                set_model_state_dict(model, staged["model"], options=StateDictOptions(strict=False))
+            else:
+                options = StateDictOptions(
+                    full_state_dict=True, strict=False, broadcast_from_rank0=dist.is_distributed()
+                )
+                # Tensors are state values; the cast only widens the dict's declared value type.
+                weights = cast("dict[str, ValueType]", self.weights or {})
+                set_model_state_dict(model, weights, options=options)
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise UserError(
+                f"config error: model.init_from: {self.path}: {first_line(e)}"
+            ) from None
+        finally:
+            self.weights = None
+        left = (
+            (
+                f", {len(self.excluded)} left at their initial values "
+                f"({', '.join(self.cfg.init_exclude)})"
+            )
+            if self.excluded
+            else ""
+        )
+        return f"initial weights from {self.path}: {self.count} tensors{left}"
