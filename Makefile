@@ -1,5 +1,6 @@
 # make train: set up .venv if needed, then the main job (2-rank DDP on the default config).
-# make test:  the same set-up, then lint and type checks (make lint), then the whole test suite.
+# make test:  the same set-up, then lint, type and layer checks (make lint), then the whole test
+#             suite, with its 25 slowest tests last.
 # make bench: benchmarks against a plain PyTorch loop (figures, never pass/fail).
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -23,13 +24,15 @@ train: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG) $(ARGS)
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=25 tests
 
-# ruff (lint and format) and mypy on src/, as configured in pyproject.toml.
+# ruff (lint and format) and mypy on src/, as configured in pyproject.toml; the layers of
+# src/dtrain (imports only downwards, no cycle: tests/test_layers.py, read from the source).
 lint: $(STAMP)
 	$(PY) -m ruff check src
 	$(PY) -m ruff format --check src
 	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # The peers it compares dtrain with (Lightning, Accelerate) are the `bench` extra, pinned too.
 bench: $(STAMP)

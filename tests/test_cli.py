@@ -42,7 +42,7 @@ USAGE_ERRORS = [
     (["train", "--config"], "argument --config: expected one argument"),
     (["plan", "--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
     (["doctor", "now"], "unrecognized arguments: now"),
-    (["export", "--out", "m.pt"], "one of the arguments --run --checkpoint is required"),
+    (["export", "--out", "m.pt"], "one of the arguments --run-dir/--run --checkpoint is required"),
     (["export", "--run", "r", "--checkpoint", "c", "--out", "m.pt"],
      "argument --checkpoint: not allowed with argument --run"),
     (["export", "--run", "r"], "the following arguments are required: --out"),
@@ -120,5 +120,5 @@ def test_export_of_a_run_without_checkpoints_is_one_line_and_exit_2(tmp_path, ma
     run = make(tmp_path / "run")
     result = dtrain("export", "--run", str(run), "--out", str(tmp_path / "m.pt"))
     assert result.returncode == 2
-    assert result.stderr.startswith(f"dtrain: export error: --run {run}: {message}")
+    assert result.stderr.startswith(f"dtrain: export error: --run-dir {run}: {message}")
     assert len(result.stderr.strip().splitlines()) == 1

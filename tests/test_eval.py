@@ -64,11 +64,11 @@ def evals_of(run_dir: Path) -> set[Path]:
 
 
 def evaluate(run_dir: Path, *args: str, nproc: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
-    """`dtrain eval` as a single process (`--run DIR`) or under torchrun (DIR alone: torchrun's
-    parser refuses `--run`); the new evals/ file's content."""
+    """`dtrain eval` as a single process (`--run DIR`) or under torchrun (`--run-dir DIR`:
+    torchrun's own parser takes `--run` for its `--run-path`); the new evals/ file's content."""
     before = evals_of(run_dir)
     if nproc:
-        command = [*torchrun_cmd(nproc), "-m", "dtrain", "eval", str(run_dir), *args]
+        command = [*torchrun_cmd(nproc), "-m", "dtrain", "eval", "--run-dir", str(run_dir), *args]
     else:
         command = [sys.executable, "-m", "dtrain", "eval", "--run", str(run_dir), *args]
     proc = subprocess.run(command, cwd=REPO, env=child_env(), text=True, capture_output=True,
@@ -322,7 +322,7 @@ def test_a_checkpoint_that_does_not_exist_or_is_not_one_is_refused(single, tmp_p
                                f"val_acc; use --checkpoint latest or a PATH")
     code, err = eval_in_process(capsys, tmp_path)
     assert code == 2
-    assert error_line(err) == (f"dtrain: eval error: --run {tmp_path}: not a run directory (it "
+    assert error_line(err) == (f"dtrain: eval error: --run-dir {tmp_path}: not a run directory (it "
                                f"has no config.yaml); name the folder a training run wrote")
 
 

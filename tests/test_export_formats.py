@@ -361,7 +361,7 @@ def test_bad_export_arguments_are_one_line_exit_2(runs, tmp_path) -> None:
         f"file")
     run = export("--checkpoint", run_dir, "--out", str(tmp_path / "m.onnx"), "--format", "onnx")
     assert run.returncode == 2 and run.stderr.strip() == (
-        f"dtrain: export error: --checkpoint {run_dir} is a run directory; give it as --run "
+        f"dtrain: export error: --checkpoint {run_dir} is a run directory; give it as --run-dir "
         f"{run_dir} (its newest checkpoint) or name one of its checkpoints")
     stray = export("--run", run_dir, "--out", str(tmp_path / "m.pt"), "data.root=x")
     assert stray.returncode == 2

@@ -116,6 +116,20 @@ def test_piped_output_is_plain_timestamped_lines(two_ranks: Result) -> None:
 
 
 @pytest.mark.slow
+def test_a_training_line_shows_what_a_person_reads_and_the_record_keeps_the_rest(
+        two_ranks: Result) -> None:
+    lines = [line for line in two_ranks.stderr.splitlines() if LINE.search(line)]
+    assert len(lines) == 4
+    for line in lines:
+        keys = [part.split(" ")[0] for part in line.split(" | ")[2:]]
+        assert keys == ["loss", "lr", "samples_per_s"], line
+        assert len(line) < 100, line
+    train = [r for r in two_ranks.records() if "loss" in r]
+    assert all({"grad_norm", "step_time_s", "data_wait_pct"} <= set(r) for r in train)
+    assert any("slowest_rank" in r and "step_time_max" in r for r in train)
+
+
+@pytest.mark.slow
 def test_banner_describes_the_run(two_ranks: Result) -> None:
     stderr = two_ranks.stderr
     assert "torchrun: 1 node(s) x 2 rank(s) = world size 2 | device cpu | backend gloo" in stderr

@@ -23,6 +23,9 @@ from dtrain import config
 Handler = Callable[[argparse.Namespace], int]
 
 
+RUN_DIR_HELP = "the run directory (or DIR alone); --run is the same outside torchrun"
+
+
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
     from dtrain.core.errors import UserError
@@ -106,9 +109,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from dtrain.files import (
-        digests as verify,  # no torch: checking a run's checkpoints costs their reading only
-    )
+    # no torch: checking a run's checkpoints costs their reading only
+    from dtrain.commands import verify
 
     return verify.main(args)
 
@@ -265,9 +267,10 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "other data (under torchrun, srun or as a single process); read-only but for DIR/evals/",
         _eval,
     )
-    # DIR may come without --run: torchrun's own parser refuses `--run` (a prefix of its
-    # --run-path) wherever it appears, so `torchrun ... -m dtrain eval DIR` is the form there.
-    p.add_argument("--run", metavar="DIR", help="the run directory (or DIR, without --run)")
+    # --run-dir, not --run: torchrun's own parser takes `--run` for a prefix of its --run-path
+    # wherever it appears (`torchrun ... -m dtrain eval --run DIR` is refused); the short
+    # spelling stays for single processes.
+    p.add_argument("--run-dir", "--run", dest="run", metavar="DIR", help=RUN_DIR_HELP)
     p.add_argument(
         "--checkpoint",
         default="latest",
@@ -284,7 +287,13 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument("overrides", nargs="*", metavar="[DIR] section.key=value")
     p = command("export", "export a checkpoint's weights for use without dtrain", _export)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", metavar="DIR", help="a run directory: its newest checkpoint")
+    source.add_argument(
+        "--run-dir",
+        "--run",
+        dest="run",
+        metavar="DIR",
+        help="a run directory: its newest checkpoint",
+    )
     source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint folder or file")
     p.add_argument(
         "--out", metavar="PATH", required=True, help="the file (safetensors: or its folder)"
@@ -310,7 +319,9 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     p.add_argument("path", nargs="?", metavar="PATH", help="a run directory or a checkpoint folder")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--run", metavar="DIR", help="a run directory: all its checkpoints")
+    source.add_argument(
+        "--run-dir", "--run", dest="run", metavar="DIR", help="a run directory: all its checkpoints"
+    )
     source.add_argument("--checkpoint", metavar="PATH", help="one checkpoint folder")
     p = command(
         "runs",

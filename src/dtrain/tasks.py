@@ -259,12 +259,6 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
     return None
 
 
-def improves(value: float, best: float | None, mode: str) -> bool:
-    """Whether a metric's `value` beats `best` (None: nothing yet) when it is to be maximised
-    (`mode` max, as accuracy) or minimised (min, as a loss)."""
-    return best is None or (value > best if mode == "max" else value < best)
-
-
 def reported_metrics(task: Task, values: dict[str, torch.Tensor]) -> list[str]:
     """The `val_` names an evaluation gives, derived ones included."""
     names = list(values)

@@ -209,7 +209,7 @@ def load_checked(path: str, mmap: bool = False) -> dict[str, Any]:
 
 def tensor_bytes(obj: Any) -> int:
     """The bytes of the tensors in `obj` that this rank holds (a DTensor's local shard)."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in compat.tensor_leaves(obj)]
+    local = [compat.local_part(t) for t in compat.tensor_leaves(obj)]
     return sum(t.numel() * t.element_size() for t in local)
 
 

@@ -1,13 +1,14 @@
 """`dtrain eval`: a checkpoint's metrics, computed by the evaluation that training runs.
 
-    dtrain eval --run DIR [--checkpoint latest|best|PATH] [--weights model|ema]
+    dtrain eval --run-dir DIR [--checkpoint latest|best|PATH] [--weights model|ema]
                 [--config X] [section.key=value ...]
 
 The run's pieces are built from `DIR/config.yaml` (with the keys of `--config X` and the
 overrides on top) by the training code itself (`run.build_pieces`); the checkpoint's model
 weights are loaded the way a resume loads them (every file read is checked against the marker's
 digests; a sharded checkpoint is resharded by DCP to this launch's world size); and
-`Trainer.evaluate` computes the metrics, each validation sample counted once over all ranks.
+training's own evaluation (`loop.evaluation.evaluate`) computes the metrics, each validation
+sample counted once over all ranks.
 
 Read-only: the run's lock is not taken (the training job may hold it), the checkpoint store is
 only listed (never `prepare`d, which moves folders), and nothing in DIR is written but
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import config, data, run
+from dtrain import config, data, parallel, run
 from dtrain.checkpoint.load import open_checkpoint
 from dtrain.checkpoint.state import (
     FULL_FILE,
@@ -40,7 +41,7 @@ from dtrain.checkpoint.state import (
 from dtrain.config import Config
 from dtrain.core.errors import UserError, first_line
 from dtrain.files.store import MARKER, Store, fsync_dir, read_marker
-from dtrain.loop.trainer import Trainer
+from dtrain.loop import evaluation
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.parallel import unwrap
 from dtrain.process import dist
@@ -61,10 +62,10 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
     merged over it, then the `section.key=value` overrides; checked like any config."""
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isdir(run_dir):
-        raise UserError(f"eval error: --run {run_dir}: no such directory")
+        raise UserError(f"eval error: --run-dir {run_dir}: no such directory")
     if not os.path.isfile(saved):
         raise UserError(
-            f"eval error: --run {run_dir}: not a run directory (it has no config.yaml); "
+            f"eval error: --run-dir {run_dir}: not a run directory (it has no config.yaml); "
             f"name the folder a training run wrote"
         )
     merged = config.read_yaml(saved)
@@ -239,19 +240,20 @@ def check_ema(chosen: Chosen) -> None:
 # The evaluation training runs
 
 
-class _Evaluation(Trainer):
-    """`Trainer.evaluate` itself, on a model that only evaluates: what evaluate reads, without
-    the optimizer, schedule, checkpointer and records a Trainer owns (and the run directory's
-    writes those would make)."""
-
-    def __init__(self, cfg: Config, layout: Layout, pieces: run.Pieces) -> None:
-        self.cfg, self.layout, self.model, self.task = cfg, layout, pieces.model, pieces.task
-        self.datasets, self.loaders = pieces.datasets, pieces.loaders
-        self.device = layout.device
-
-    def _consistent_buffers(self) -> None:
-        """A checkpoint's buffers are the same on every rank already (averaged before the
-        save): averaging them again could only add rounding at some world sizes."""
+def evaluate(cfg: Config, layout: Layout, pieces: run.Pieces) -> dict[str, float]:
+    """Training's own evaluation (`loop.evaluation`) of the loaded model. A checkpoint's
+    buffers are the same on every rank already (averaged before the save): they are not
+    averaged again, which could only add rounding at some world sizes."""
+    device, on_device = layout.device, pieces.datasets.on_device
+    return evaluation.evaluate(
+        pieces.model,
+        pieces.task,
+        pieces.loaders.val,
+        pieces.loaders.val_sampler.valid_count,
+        device,
+        lambda batch: data.to_device(batch, device, on_device, cfg.model.channels_last),
+        lambda: parallel.autocast(cfg.train.precision, layout.is_fsdp, device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,14 +318,14 @@ def _line(chosen: Chosen, metrics: dict[str, float], samples: int, path: str) ->
 
 
 def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str, list[str]]:
-    """The run directory (`--run DIR`, or the one word without `=`) and the overrides."""
+    """The run directory (`--run-dir DIR`, or the one word without `=`) and the overrides."""
     dirs = [w for w in words if "=" not in w]
     if run_option is not None:
         dirs.insert(0, run_option)
     if len(dirs) != 1:
         got = f" (got {', '.join(dirs)})" if dirs else ""
         raise UserError(
-            f"usage error: dtrain eval takes one run directory, as --run DIR or DIR{got}; "
+            f"usage error: dtrain eval takes one run directory, as --run-dir DIR or DIR{got}; "
             f"overrides are section.key=value"
         )
     return dirs[0], [w for w in words if "=" in w]
@@ -357,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
             f"{chosen.saved_world_size}; {args.weights} weights) on {cfg.data.name} "
             f"({samples} validation samples) at world size {dist.world_size()}"
         )
-        metrics = _Evaluation(cfg, layout, pieces).evaluate()
+        metrics = evaluate(cfg, layout, pieces)
         if args.weights == "ema":  # the names the run's own evaluations of the average have
             from dtrain.loop.ema import SUFFIX
 

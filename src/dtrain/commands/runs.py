@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from dtrain.core.errors import UserError
+from dtrain.core.monitor import best_first, improves
 from dtrain.files.sweeps import SWEEP_FILE, overrides_of, read_sweep, swept_keys
 
 # Rows without a best value come after those with one, in this order (then folder order).
@@ -190,7 +191,7 @@ def _scan(path: str, monitor: str | None, mode: str) -> _Seen:
             value = record.get(monitor) if monitor else None
             if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
                 continue
-            if seen.best is None or (value > seen.best if mode == "max" else value < seen.best):
+            if improves(value, seen.best, mode):
                 seen.best, seen.best_step = float(value), step
     return seen
 
@@ -219,8 +220,7 @@ def _rank(rows: list[dict[str, Any]]) -> Any:
             status = row["status"]
             rank = _UNRANKED.index(status) if status in _UNRANKED else 0
             return (1 + rank, 0.0, order[id(row)])
-        sign = -1.0 if row["monitor_mode"] == "max" else 1.0
-        return (0, sign * row["best"], order[id(row)])
+        return (0, best_first(row["monitor_mode"]) * row["best"], order[id(row)])
 
     return key
 

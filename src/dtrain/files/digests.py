@@ -1,4 +1,4 @@
-"""Content digests of checkpoint files, and `dtrain verify`.
+"""Content digests of checkpoint files and their completion markers.
 
 Every file of a checkpoint gets an xxh3-128 digest while it is written; the digests go into the
 completion marker (`COMPLETE`) with the files' sizes, before the marker is published. A reader
@@ -7,13 +7,12 @@ checkpoint, not a silently different model. (xxh3-128 hashes about ten times fas
 BLAKE2b here, fast enough to hide behind the disk; it detects accidents, not tampering: the
 marker that holds the digests is as writable as the files.)
 
-This module imports no torch, so that `dtrain verify` checks a run's checkpoints in the time it
-takes to read them.
+No torch here, so that `dtrain verify` checks a run's checkpoints in the time it takes to read
+them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -198,123 +197,3 @@ def check_file(folder: str, name: str, expected: str | None) -> None:
     found = file_digest(os.path.join(folder, name))
     if found != expected:
         raise Damaged(mismatch(folder, name, expected, found))
-
-
-# ---------------------------------------------------------------------------------------------
-# dtrain verify
-
-
-def _check(folder: str, marker: dict[str, Any], threads: int) -> tuple[str, str]:
-    """(verdict, details) of one checkpoint: intact, damaged or unverified."""
-    files: dict[str, int] = marker.get("files", {})
-    wrong = verify_files(folder, marker)
-    if wrong:
-        return "damaged", f"{wrong} (truncated or damaged)"
-    digests = digests_of(marker)
-    total = sum(files.values())
-    if digests is None:
-        return "unverified", (
-            f"saved without content digests (before dtrain verified checkpoints); "
-            f"{_files(len(files))}, sizes match"
-        )
-    unlisted = sorted(set(files) - set(digests))
-    if unlisted:
-        return "damaged", f"the marker has no digest of {unlisted[0]}"
-    names = sorted(files)
-    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        found = list(pool.map(lambda n: file_digest(os.path.join(folder, n)), names))
-    bad = [(n, digests[n], f) for n, f in zip(names, found, strict=True) if f != digests[n]]
-    if bad:
-        name, expected, actual = bad[0]
-        more = f" (and {len(bad) - 1} more damaged files)" if len(bad) > 1 else ""
-        return "damaged", f"{name}: digest {actual}, expected {expected}{more}"
-    return "intact", f"{_files(len(files))}, {total / 2**20:.1f} MiB, {ALGORITHM}"
-
-
-def _files(n: int) -> str:
-    return f"{n} file" if n == 1 else f"{n} files"
-
-
-def checkpoints_of(path: str) -> tuple[list[str], bool]:
-    """The checkpoint folders that `path` names (a run directory, its `checkpoints/` folder, a
-    folder of runs such as a sweep or a run.out_dir, a checkpoint folder or its checkpoint.pt)
-    and whether it named one checkpoint."""
-    if not os.path.exists(path):
-        raise UserError(f"verify error: {path} not found")
-    if os.path.isfile(path):
-        if os.path.basename(path) == FULL_FILE:
-            return [os.path.dirname(path) or "."], True
-        raise UserError(
-            f"verify error: {path} is a file; name a checkpoint folder or a run directory"
-        )
-    if os.path.exists(os.path.join(path, MARKER)):
-        return [path], True
-    folder = os.path.join(path, CHECKPOINTS)
-    if os.path.basename(os.path.normpath(path)) == CHECKPOINTS:
-        folder = path
-    elif not os.path.isdir(folder):
-        runs = [os.path.join(path, n, CHECKPOINTS) for n in _subfolders(path)]
-        runs = [r for r in runs if os.path.isdir(r)]
-        if not runs:
-            raise UserError(
-                f"verify error: {path} is neither a checkpoint (no {MARKER} marker), a run "
-                f"directory (no {CHECKPOINTS}/ folder) nor a folder of runs"
-            )
-        return [os.path.join(r, n) for r in runs for n in _subfolders(r)], False
-    return [os.path.join(folder, n) for n in _subfolders(folder)], False
-
-
-def _subfolders(path: str) -> list[str]:
-    """Sub-folders by name, without hidden ones (`.tmp-` folders of saves in progress)."""
-    return sorted(
-        n
-        for n in os.listdir(path)
-        if not n.startswith(".") and os.path.isdir(os.path.join(path, n))
-    )
-
-
-def run(path: str, threads: int = 4) -> int:
-    """Check every checkpoint `path` names; print one line each and a summary. Exit status: 0
-    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise."""
-    folders, single = checkpoints_of(path)
-    counts = {"intact": 0, "damaged": 0, "unverified": 0, "incomplete": 0}
-    for folder in folders:
-        marker = read_marker(folder)
-        if marker_damaged(folder):
-            verdict = "damaged"
-            details = f"its {MARKER} marker is not what the save wrote: changed since"
-        elif marker is None:
-            verdict = "incomplete"
-            details = f"no {MARKER} marker: an interrupted save, never loaded"
-        else:
-            try:
-                verdict, details = _check(folder, marker, threads)
-            except OSError as e:
-                if not os.path.isdir(folder):  # rotated away by a running job meanwhile
-                    continue
-                verdict, details = "damaged", f"unreadable: {e}"
-        counts[verdict] += 1
-        print(f"{verdict:<10}  {folder}: {details}", flush=True)
-    if not folders:
-        print(f"no checkpoints in {path}")
-    damaged = counts["damaged"] + (counts["incomplete"] if single else 0)
-    shown = ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "incomplete")
-    if len(folders) > 1:
-        print(f"{len(folders)} checkpoints: {shown}")
-    return 1 if damaged else 0
-
-
-def main(args: argparse.Namespace) -> int:
-    given = [p for p in (args.path, args.run, args.checkpoint) if p is not None]
-    if len(given) != 1:
-        raise UserError(
-            "verify error: name one run directory or checkpoint (PATH, --run DIR or "
-            "--checkpoint PATH)"
-        )
-    if args.checkpoint is not None and not os.path.exists(os.path.join(args.checkpoint, MARKER)):
-        if os.path.isdir(args.checkpoint):
-            print(f"{'incomplete':<10}  {args.checkpoint}: no {MARKER} marker")
-            return 1
-    if args.run is not None and not os.path.isdir(os.path.join(args.run, CHECKPOINTS)):
-        raise UserError(f"verify error: --run {args.run}: no {CHECKPOINTS}/ folder there")
-    return run(given[0])

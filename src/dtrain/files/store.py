@@ -36,6 +36,7 @@ from typing import Any
 
 from dtrain.core.errors import CheckpointError, UserError, first_line
 from dtrain.core.logs import log
+from dtrain.core.monitor import best_first
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
 
 LATEST = "latest"
@@ -280,7 +281,7 @@ class Store:
         keep = {e.name for e in entries[:keep_last]}
         metrics = [(e.metric(monitor), e.name) for e in entries]
         scored = [(v, n) for v, n in metrics if v is not None and math.isfinite(v)]
-        scored.sort(key=lambda item: item[0], reverse=mode == "max")
+        scored.sort(key=lambda item: best_first(mode) * item[0])
         keep.update(n for _, n in scored[:keep_best])
         for entry in entries:
             if entry.name not in keep:
@@ -291,8 +292,7 @@ class Store:
         scored = [(v, e) for v, e in metrics if v is not None and math.isfinite(v)]
         if not scored:
             return None
-        pick = max if mode == "max" else min
-        return pick(scored, key=lambda item: item[0])[1]
+        return min(scored, key=lambda item: best_first(mode) * item[0])[1]
 
     def supersede(self, entries: list[Entry], reason: str, records: bool = False) -> str | None:
         """Move `entries` (and with `records`, the run's metrics and TensorBoard events) out of

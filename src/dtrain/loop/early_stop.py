@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from dtrain.config import CkptConfig, EarlyStopConfig
+from dtrain.core.monitor import improves
 from dtrain.loop.state import TrainState
 
 
@@ -45,9 +46,7 @@ class EarlyStop:
         best, delta = self.state.early_stop_best, self.rule.min_delta
         if not math.isfinite(value):
             return False
-        if best is None:
-            return True
-        return value > best + delta if self.mode == "max" else value < best - delta
+        return improves(value, best, self.mode, delta)
 
     @property
     def due(self) -> bool:

@@ -39,7 +39,7 @@ from dtrain.checkpoint.state import (
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.parallel import reshard, unwrap
-from dtrain.process import dist
+from dtrain.process import compat, dist
 
 if TYPE_CHECKING:
     from dtrain.config import Config
@@ -58,8 +58,7 @@ def monitored_metric(cfg: Config) -> str:
 
 
 def _local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors this rank holds: a DTensor's local shard (no copy), a plain tensor itself."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return [compat.local_part(t) for t in tensors]
 
 
 def _placed(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

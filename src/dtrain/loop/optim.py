@@ -13,8 +13,8 @@ from torch import nn
 from dtrain.config import OptimConfig, SchedConfig, registry
 from dtrain.core.errors import UserError
 from dtrain.core.imports import load_callable
+from dtrain.core.monitor import improves
 from dtrain.process import compat
-from dtrain.tasks import improves
 
 
 def no_decay_names(model: nn.Module, rule: Any) -> set[str]:

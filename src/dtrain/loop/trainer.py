@@ -24,8 +24,9 @@ from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config
 from dtrain.core import signals
 from dtrain.core.errors import TrainingStopped
+from dtrain.core.monitor import improves
 from dtrain.data import Datasets, Loaders, to_device
-from dtrain.loop import grads
+from dtrain.loop import evaluation, grads
 from dtrain.loop.early_stop import EarlyStop
 from dtrain.loop.ema import SUFFIX, EmaWeights, overflowed
 from dtrain.loop.optim import LRSchedule, UserSchedule
@@ -36,7 +37,7 @@ from dtrain.parallel import average_buffers
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 from dtrain.process.whereabouts import Whereabouts
-from dtrain.tasks import Task, batch_size, improves
+from dtrain.tasks import Task
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -344,40 +345,19 @@ class Trainer:
         return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
 
     # -----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """The task's metrics over the whole validation set as `val_<name>`, each sample counted
-        once over all ranks; identical on every rank (one all-reduce of all the sums)."""
-        model = self.model
+        """The task's metrics over the whole validation set as `val_<name>` (`evaluation`)."""
         self._consistent_buffers()
-        model.eval()
-        names: list[str] = []
-        sums: torch.Tensor | None = None  # one per metric, then the count of samples
-        position = 0  # this rank's sample number; the padding beyond valid_count is ignored
-        for batch in self.loaders.val:
-            batch = self._to_device(batch)
-            with self._autocast():
-                values = self.task.metrics(model, batch)
-            if sums is None:  # the task's own order (every rank runs the same task)
-                names = list(values)
-                sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
-            size = batch_size(batch)
-            valid = (
-                torch.arange(position, position + size, device=self.device)
-                < self.loaders.val_sampler.valid_count
-            )
-            position += size
-            for i, name in enumerate(names):
-                sums[i] += torch.where(valid, values[name].double(), 0.0).sum()
-            sums[-1] += valid.double().sum()
-        assert sums is not None  # the loaders refuse an empty validation set
-        dist.all_reduce_sum(sums)
-        *totals, count = sums.tolist()
-        means = {name: total / count for name, total in zip(names, totals, strict=False)}
-        summarize = getattr(self.task, "summarize", None)
-        if summarize is not None:
-            means.update(summarize(dict(means)))
-        return {f"val_{name}": value for name, value in means.items()}
+        val = self.loaders.val
+        return evaluation.evaluate(
+            self.model,
+            self.task,
+            val,
+            self.loaders.val_sampler.valid_count,
+            self.device,
+            self._to_device,
+            self._autocast,
+        )
 
     def _evaluate(self, scheduled: bool = True) -> None:
         """Evaluate and record; early stopping counts the `scheduled` evaluations, once per step
@@ -478,6 +458,6 @@ def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
 @torch.no_grad()
 def _all_finite(model: nn.Module) -> bool:
     """Whether this rank's parameters (its shards under FSDP) are all finite: one fused check."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [compat.local_part(p) for p in model.parameters()]
     local = [t for t in local if t.numel()]
     return not local or bool(torch.isfinite(nn.utils.get_total_norm(local, norm_type=math.inf)))

@@ -59,7 +59,8 @@ class Progress:
             self._render(done, record, now)
         if at_log_step or (not self.bar and now - self.last_line >= self.every_s):
             self.last_line = now
-            log.info(format_record(record))  # the console handler redraws the bar after the line
+            # the console handler redraws the bar after the line
+            log.info(format_record(record, CONSOLE_KEYS))
         if render and not (at_log_step and self.linked):
             self.redraw()
 
@@ -139,9 +140,27 @@ def clock(seconds: float, always_hours: bool = False) -> str:
     return f"{minutes:02d}:{secs:02d}"
 
 
-def format_record(record: dict[str, Any]) -> str:
+# What a training line on the console shows: what a person reads (the loss, the learning rate,
+# the throughput) and what is abnormal (skipped steps, replaced samples). Every other figure of
+# the record (step times, stragglers' figures, state sizes, ...) is in metrics.jsonl and
+# TensorBoard; a straggler is named by a warning line of its own.
+CONSOLE_KEYS = (
+    "loss",
+    "loss_step",
+    "lr",
+    "samples_per_s",
+    "tokens_per_s",
+    "mfu",
+    "skipped_steps",
+    "bad_samples_replaced",
+)
+
+
+def format_record(record: dict[str, Any], keys: tuple[str, ...] | None = None) -> str:
+    """`step N | epoch E | key value | ...`: every figure of the record, or only `keys`."""
     parts = [f"step {record['step']}", f"epoch {record['epoch']}"]
     for key, value in record.items():
-        if key not in ("step", "epoch") and value is not None:
-            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        if key in ("step", "epoch") or value is None or (keys is not None and key not in keys):
+            continue
+        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
     return " | ".join(parts)

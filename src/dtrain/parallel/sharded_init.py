@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.process import dist
+from dtrain.process import compat, dist
 from dtrain.process.compat import TorchDispatchMode, aten_ops, is_in_place, tree_map_tensors
 
 FULL_BYTES = 1 << 20  # tensors up to this size are built whole
@@ -289,7 +289,7 @@ def materialize(sharded: nn.Module, params: dict[str, Any], buffers: dict[str, A
     with torch.no_grad():
         for name, param in sharded.named_parameters(remove_duplicate=False):
             source = params[name]
-            target = param.to_local() if hasattr(param, "to_local") else param
+            target = compat.local_part(param)
             if isinstance(source, Rows):
                 target.copy_(source.local)
             elif hasattr(param, "to_local"):

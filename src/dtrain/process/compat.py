@@ -117,6 +117,13 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local shard (no copy), a plain tensor
+    itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree`, in order."""
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]

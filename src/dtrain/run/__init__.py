@@ -35,7 +35,7 @@ from dtrain.observe import (
     setup_logging,
 )
 from dtrain.observe.trackers import check_installed as check_trackers
-from dtrain.process import dist, rng, slurm
+from dtrain.process import compat, dist, rng, slurm
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout, Steps
@@ -97,7 +97,7 @@ def state_bytes(
     as such), and what the same state would take unsharded (DDP holds all of it on every rank)."""
 
     def local_and_full(t: torch.Tensor) -> tuple[int, int]:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = compat.local_part(t)
         return local.numel() * local.element_size(), t.numel() * t.element_size()
 
     totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
@@ -388,7 +388,7 @@ def _length_change(
     schedule: Any, length: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
 ) -> str:
     """Applies ckpt.on_length_change to the schedule and says what the run now does."""
-    step_samples = layout.batch_size * layout.world_size * layout.grad_accum
+    step_samples = layout.effective_batch
     done_in_epoch = state.samples_in_epoch // step_samples
     left = steps.per_epoch * (cfg.train.epochs - state.epoch) - done_in_epoch
     end = state.step + max(0, left)

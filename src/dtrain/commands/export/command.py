@@ -38,12 +38,12 @@ def newest_checkpoint(run_dir: str) -> str:
     store = checkpoint.Store(run_dir)
     if not os.path.isdir(store.dir):
         raise UserError(
-            f"export error: --run {run_dir}: not a run directory ({store.dir} does not "
+            f"export error: --run-dir {run_dir}: not a run directory ({store.dir} does not "
             f"exist); name a checkpoint itself with --checkpoint PATH"
         )
     saved = store.complete()
     if not saved:
-        raise UserError(f"export error: --run {run_dir}: no complete checkpoint in {store.dir}")
+        raise UserError(f"export error: --run-dir {run_dir}: no complete checkpoint in {store.dir}")
     return saved[0].path
 
 
@@ -137,7 +137,7 @@ def export(
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         raise UserError(
-            f"export error: --checkpoint {path} is a run directory; give it as --run {path} "
+            f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"
         )
     model, meta = load_model(path, weights)
