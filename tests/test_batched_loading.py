@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dtrain import data
-from dtrain.config import DataConfig
+from dtrain.config import DataConfig, SyntheticConfig
 
 
 class PerSample(Dataset):
@@ -26,8 +26,8 @@ class PerSample(Dataset):
 
 @pytest.mark.parametrize("augment", [True, False])
 def test_batched_loading_equals_per_sample_loading(augment: bool) -> None:
-    cfg = DataConfig(batch_size=16, augment=augment)
-    cfg.synthetic.train_size, cfg.synthetic.val_size = 200, 40
+    cfg = DataConfig(batch_size=16, augment=augment,
+                     synthetic=SyntheticConfig(train_size=200, val_size=40))
     datasets = data.build(cfg, seed=3)
     assert hasattr(datasets.train, "__getitems__")
     for rank in (0, 1):

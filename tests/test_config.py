@@ -99,3 +99,15 @@ def test_single_process_refuses_mode_none_with_many_ranks(tmp_path) -> None:
     result = launch(tmp_path / "runs" / "r", ["parallel.mode=none"], nproc=2)
     assert "would train 2 unrelated models" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_loaded_config_is_read_only() -> None:
+    import dataclasses
+
+    cfg = config.load(None, ["optim.lr=0.05"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run = cfg.run  # type: ignore[misc]
+    changed = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=0.2))
+    assert (cfg.optim.lr, changed.optim.lr) == (0.05, 0.2)  # a changed copy; the loaded one stays

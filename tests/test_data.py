@@ -9,7 +9,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import launch
 from dtrain.data import synthetic
-from dtrain.config import DataConfig
+from dtrain.config import DataConfig, SyntheticConfig
 from dtrain.data import EvalSampler, ImageDataset, ResumableSampler, Transform, build
 
 
@@ -107,8 +107,7 @@ def test_missing_dataset_is_a_clear_error(tmp_path, name, expected) -> None:
 
 
 def test_dataset_helpers_report_sizes() -> None:
-    cfg = DataConfig()
-    cfg.synthetic.train_size, cfg.synthetic.val_size = 50, 20
+    cfg = DataConfig(synthetic=SyntheticConfig(train_size=50, val_size=20))
     sets = build(cfg, seed=0)
     assert (len(sets.train), len(sets.val)) == (50, 20)
     assert sets.info == {"num_classes": 10, "in_channels": 3, "image_size": 32}

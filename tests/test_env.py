@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtrain import config
 from dtrain.config import Config
 from dtrain.process.env import Env, detect, device_index, expand_nodelist, expand_tasks_per_node, port_for_job
 from dtrain.core.errors import UserError
@@ -126,13 +127,9 @@ def test_device_index_against_visible_gpus() -> None:
 
 
 def test_unnamed_run_takes_the_job_id() -> None:
-    cfg = Config()
-    resolve_run_name(cfg, detect(srun_task(0, 0, 0)))
+    cfg = resolve_run_name(Config(), detect(srun_task(0, 0, 0)))
     assert cfg.run.name == "job_4242"
-    named = Config()
-    named.run.name = "mine"
-    resolve_run_name(named, detect(srun_task(0, 0, 0)))
+    named = resolve_run_name(config.load(None, ["run.name=mine"]), detect(srun_task(0, 0, 0)))
     assert named.run.name == "mine"
-    alone = Config()
-    resolve_run_name(alone, detect({}))
+    alone = resolve_run_name(Config(), detect({}))
     assert alone.run.name == "default"

@@ -191,13 +191,13 @@ def test_an_unnamed_run_is_named_after_its_slurm_job_or_its_config() -> None:
     for path in sorted((REPO / "configs").glob("*.yaml")):
         assert config.load(str(path)).run.name is None, f"{path.name} names its run"
     cfg = config.load(str(REPO / "configs" / "default.yaml"))
-    resolve_run_name(cfg, Env(launcher="slurm", slurm_job_id="4711"), "configs/default.yaml")
+    cfg = resolve_run_name(cfg, Env(launcher="slurm", slurm_job_id="4711"), "configs/default.yaml")
     assert cfg.run.name == "job_4711"
     cfg = config.load(str(REPO / "configs" / "default.yaml"))
-    resolve_run_name(cfg, Env(launcher="torchrun"), "configs/default.yaml")
+    cfg = resolve_run_name(cfg, Env(launcher="torchrun"), "configs/default.yaml")
     assert cfg.run.name == "default"
     cfg = config.load(None, ["run.name=mine"])
-    resolve_run_name(cfg, Env(launcher="slurm", slurm_job_id="4711"), None)
+    cfg = resolve_run_name(cfg, Env(launcher="slurm", slurm_job_id="4711"), None)
     assert cfg.run.name == "mine"
 
 

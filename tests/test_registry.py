@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 from dtrain import config, data
 from dtrain.config import registry
-from dtrain.config import DataConfig
+from dtrain.config import DataConfig, SyntheticConfig, TextConfig
 from dtrain.core.errors import UserError
 
 
@@ -93,12 +93,10 @@ def test_builtin_metrics_come_from_the_task_table() -> None:
 
 def test_every_dataset_builder_returns_datasets() -> None:
     sys.path.insert(0, str(REPO / "tests"))
-    synthetic = DataConfig(name="synthetic")
-    synthetic.synthetic.train_size, synthetic.synthetic.val_size = 64, 16
-    text = DataConfig(name="text")
-    text.text.corpus = "python_docs"
-    user = DataConfig(name="user_tasks:points")
-    user.synthetic.train_size, user.synthetic.val_size = 32, 8
+    synthetic = DataConfig(name="synthetic", synthetic=SyntheticConfig(train_size=64, val_size=16))
+    text = DataConfig(name="text", text=TextConfig(corpus="python_docs"))
+    user = DataConfig(name="user_tasks:points",
+                      synthetic=SyntheticConfig(train_size=32, val_size=8))
     built = {cfg.name: data.build(cfg, seed=0, model_args={"seq_len": 32})
              for cfg in (synthetic, text, user)}
     assert all(isinstance(d, data.Datasets) for d in built.values())
@@ -111,8 +109,7 @@ def test_every_dataset_builder_returns_datasets() -> None:
 
 
 def test_loaders_are_named_and_close() -> None:
-    cfg = DataConfig(batch_size=4, num_workers=1)
-    cfg.synthetic.train_size, cfg.synthetic.val_size = 32, 8
+    cfg = DataConfig(batch_size=4, num_workers=1, synthetic=SyntheticConfig(train_size=32, val_size=8))
     sets = data.build(cfg, seed=0)
     loaders = data.loaders(sets.train, sets.val, cfg=cfg, seed=0, rank=1, world_size=2,
                            device=torch.device("cpu"), workers=1)

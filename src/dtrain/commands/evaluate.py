@@ -18,6 +18,7 @@ only listed (never `prepare`d, which moves folders), and nothing in DIR is writt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -74,11 +75,11 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
     for text in overrides:
         key, value = config.parse_override(text)
         config.set_dotted(merged, key, value)
-    cfg = config.from_dict(merged)
     # Where the weights come from is the checkpoint: the files a fine-tuning run started from
     # (model.init_from, model.pretrained) are neither needed nor checked here.
-    cfg.model.init_from, cfg.model.pretrained = None, False
-    return cfg
+    config.set_dotted(merged, "model.init_from", None)
+    config.set_dotted(merged, "model.pretrained", False)
+    return config.from_dict(merged)
 
 
 def _merge(base: dict, top: dict) -> None:
@@ -91,13 +92,17 @@ def _merge(base: dict, top: dict) -> None:
             base[key] = value
 
 
-def eval_layout(cfg: Config, env: env_mod.Env) -> Layout:
-    """The training layout at this launch's world size. HSDP's replica count is a training
-    choice that need not divide another world size: evaluation shards over all ranks then."""
+def eval_layout(cfg: Config, env: env_mod.Env) -> tuple[Config, Layout]:
+    """The training layout at this launch's world size, and the config it was resolved from.
+    HSDP's replica count is a training choice that need not divide another world size:
+    evaluation shards over all ranks then."""
     fsdp = cfg.parallel.fsdp
     if cfg.parallel.mode == "fsdp" and env.world_size % fsdp.hybrid_replicas:
-        fsdp.hybrid_replicas = 1
-    return layout_mod.resolve(cfg, env)
+        parallel_cfg = dataclasses.replace(
+            cfg.parallel, fsdp=dataclasses.replace(fsdp, hybrid_replicas=1)
+        )
+        cfg = dataclasses.replace(cfg, parallel=parallel_cfg)
+    return cfg, layout_mod.resolve(cfg, env)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +340,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir, overrides = run_dir_and_overrides(args.run, args.overrides)
     cfg = eval_config(run_dir, args.config, overrides)
     env = env_mod.detect()
-    layout = eval_layout(cfg, env)
+    cfg, layout = eval_layout(cfg, env)
     dist.init(layout, cfg.dist)
     setup_logging(dist.rank(), cfg.log.all_ranks)
     loaders: data.Loaders | None = None

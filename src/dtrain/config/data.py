@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from dtrain.config.fields import AT_LEAST_ONE, option
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyntheticConfig:
     """The built-in offline image set (`data.name: synthetic`)."""
 
@@ -15,7 +15,7 @@ class SyntheticConfig:
     val_size: int = option(2000, check=AT_LEAST_ONE, doc="validation images generated")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TextConfig:
     """Byte-level text (`data.name: text`)."""
 
@@ -41,7 +41,7 @@ class TextConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokensConfig:
     """Token files (`data.name: tokens`): `train.bin` and `val.bin` (or `train_*.bin` and
     `val_*.bin` shards) under `data.root`, with the `meta.json` that `dtrain tokenize` writes;
@@ -74,7 +74,7 @@ def _column_map(value: dict) -> bool:
     return bool(value) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-@dataclass
+@dataclass(frozen=True)
 class HFConfig:
     """Hugging Face `datasets` on disk (`data.name: hf`): a `save_to_disk` folder, or parquet,
     arrow or JSON-lines files (a file, a folder or a glob) at `data.root`; see
@@ -93,7 +93,7 @@ class HFConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Datasets and their loaders; see [Data and models](data.md)."""
 

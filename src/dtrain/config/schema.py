@@ -7,7 +7,8 @@ Checking is strict and happens before any process group exists or anything is wr
 key names the closest valid one (`unknown key 'optim.lrr' (did you mean 'optim.lr'?)`), a wrong
 type or an out-of-range value names the key, malformed YAML gives the file, line and column, each
 as one line on stderr with exit code 2. The resolved config is written to the run directory as
-`config.yaml`.
+`config.yaml`. A loaded config is read-only (frozen dataclasses): the code a config names (a
+builder, a task) gets its section as it was checked; `dataclasses.replace` makes a changed copy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dtrain.config.fields import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     """Where a run lives and the one seed it draws from."""
 
@@ -43,7 +44,7 @@ class RunConfig:
     private: bool = option(True, doc="run directories 0700 and files 0600 (owner only)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistConfig:
     """The process group: backend and timeouts."""
 
@@ -58,7 +59,7 @@ class DistConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DDPConfig:
     """Passed to `DistributedDataParallel` when `parallel.mode` is ddp."""
 
@@ -79,7 +80,7 @@ class DDPConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class FSDPConfig:
     """FSDP2 (`fully_shard`) when `parallel.mode` is fsdp: see [FSDP](fsdp.md)."""
 
@@ -101,7 +102,7 @@ class FSDPConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over the ranks."""
 
@@ -119,7 +120,7 @@ class ParallelConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     """What is learned: a loss and per-sample metrics; see [Tasks](tasks.md)."""
 
@@ -132,7 +133,7 @@ class TaskConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The network and where its first weights come from; see [Data and models](data.md)."""
 
@@ -166,7 +167,7 @@ class ModelConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     """The optimizer, built after wrapping (under FSDP it sees only the rank's shards)."""
 
@@ -188,7 +189,7 @@ class OptimConfig:
     eps: float = option(1e-8, check=POSITIVE, doc="adam/adamw")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedConfig:
     """The learning-rate schedule, stepped per optimizer step (plateau: per evaluation)."""
 
@@ -208,7 +209,7 @@ class SchedConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EarlyStopConfig:
     """Ends a run whose `ckpt.monitor` has stopped improving, counted at the evaluations of
     `train.eval_every_epochs` and `train.eval_every_steps`; see [Training](training.md)."""
@@ -227,7 +228,7 @@ class EarlyStopConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmaConfig:
     """An exponential moving average of the parameters, saved in every checkpoint and evaluated
     beside them; see [After training](after_training.md#ema-weights)."""
@@ -246,7 +247,7 @@ class EmaConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
 
@@ -305,7 +306,7 @@ class TrainConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CkptConfig:
     """When checkpoints are saved, which are kept, and how a run resumes; see
     [Checkpoints](checkpoints.md)."""
@@ -348,7 +349,7 @@ class CkptConfig:
     async_: bool = option(False, doc="write checkpoints in the background")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileConfig:
     """The torch profiler's schedule, in optimizer steps."""
 
@@ -358,7 +359,7 @@ class ProfileConfig:
     active: int = option(3, check=AT_LEAST_ONE, doc="steps recorded")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MlflowConfig:
     """MLflow tracking, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
 
@@ -373,7 +374,7 @@ class MlflowConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbConfig:
     """Weights & Biases, rank 0 only; see [Watching a run](watching.md#experiment-trackers)."""
 
@@ -387,7 +388,7 @@ class WandbConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     """What a run reports, and where; see [Watching a run](watching.md)."""
 
@@ -409,7 +410,7 @@ class LogConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmConfig:
     """Behaviour inside a SLURM job; see [SLURM](slurm.md)."""
 
@@ -420,7 +421,7 @@ class SlurmConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration, one section per field."""
 

@@ -43,18 +43,20 @@ from dtrain.run import records
 from dtrain.run.weights import StartingWeights
 
 
-def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> None:
-    """An unnamed run is named after its SLURM job (`job_<id>`: a requeued job finds its run
-    again, and two jobs of one config never share a directory), else after its config file
-    (`configs/default.yaml` -> `default`), else `default`. The shipped configs name no run."""
+def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> Config:
+    """The config with its run named: an unnamed run is named after its SLURM job (`job_<id>`:
+    a requeued job finds its run again, and two jobs of one config never share a directory),
+    else after its config file (`configs/default.yaml` -> `default`), else `default`. The
+    shipped configs name no run."""
     if cfg.run.name is not None:
-        return
+        return cfg
     if env.slurm_job_id:
-        cfg.run.name = f"job_{env.slurm_job_id}"
+        name = f"job_{env.slurm_job_id}"
     elif config_path:
-        cfg.run.name = os.path.splitext(os.path.basename(config_path))[0] or "default"
+        name = os.path.splitext(os.path.basename(config_path))[0] or "default"
     else:
-        cfg.run.name = "default"
+        name = "default"
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
 
 
 def prepare_run_dir(cfg: Config) -> str:
@@ -153,7 +155,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock = StartupClock()
     clock.mark("imports")
     env = env_mod.detect()
-    resolve_run_name(cfg, env, config_path)
+    cfg = resolve_run_name(cfg, env, config_path)
     layout = layout_mod.resolve(cfg, env)
     check_trackers(cfg)  # an enabled tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
