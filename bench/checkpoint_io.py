@@ -49,7 +49,8 @@ def _setup(work: Path, asynchronous: bool):
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     state = TrainState()
     checkpointer = checkpoint.Checkpointer(
-        cfg=cfg, layout=resolve(cfg, Env(launcher="single"), torch.device("cpu")),
+        ckpt=cfg.ckpt, seed=cfg.run.seed, config=config.to_dict(cfg),
+        layout=resolve(cfg, Env(launcher="single"), torch.device("cpu")),
         store=checkpoint.Store(run_dir), model=model, optimizer=optimizer, state=state, parts={},
         model_info=models.model_info(cfg.model, info))
     return cfg, model, optimizer, checkpointer, state

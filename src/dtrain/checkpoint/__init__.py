@@ -37,7 +37,7 @@ from dtrain.checkpoint.state import (
     META_FILE,
     load_file,
 )
-from dtrain.config import Config, to_dict, training_differences
+from dtrain.config import CkptConfig, training_differences
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.files.store import (
@@ -107,7 +107,9 @@ class Checkpointer:
     def __init__(
         self,
         *,
-        cfg: Config,
+        ckpt: CkptConfig,
+        seed: int,
+        config: dict[str, Any],
         layout: Layout,
         store: Store,
         model: nn.Module,
@@ -117,10 +119,13 @@ class Checkpointer:
         model_info: dict[str, Any],
         ema: EmaWeights | None = None,
     ) -> None:
-        """`state` says where the run is (it names the checkpoints); `parts` are the other pieces
+        """`ckpt` is the config's checkpoint section, `seed` the run's, `config` the whole resolved
+        config as data (saved in every checkpoint; a resume compares it with the saved one).
+        `state` says where the run is (it names the checkpoints); `parts` are the other pieces
         a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name;
         `ema` the averaged weights (train.ema), saved beside the model's, sharded alike."""
-        self.cfg, self.store, self.model, self.optimizer = cfg, store, model, optimizer
+        self.ckpt, self.seed, self.config = ckpt, seed, config
+        self.store, self.model, self.optimizer = store, model, optimizer
         self.ema = ema
         self.state, self.parts = state, dict(parts)
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
@@ -136,7 +141,7 @@ class Checkpointer:
         # interleave with the training collectives on the default group.
         self._save_group: ProcessGroup | None = None
         self._save_device = self.device
-        if cfg.ckpt.async_ and dist.is_distributed():
+        if ckpt.async_ and dist.is_distributed():
             import torch.distributed as torch_dist
 
             # A group of all ranks: no rank gets new_group's non-member placeholder.
@@ -163,7 +168,7 @@ class Checkpointer:
             get_optimizer_state_dict,
         )
 
-        ckpt = self.cfg.ckpt
+        ckpt = self.ckpt
         # Only a checkpoint of the evaluated weights carries the metric (and competes for best).
         value = (
             state.last_eval.get(ckpt.monitor) if state.last_eval.get("step") == state.step else None
@@ -177,7 +182,7 @@ class Checkpointer:
             "extra": {name: part.state_dict() for name, part in self.parts.items()},
             "world_size": dist.world_size(),
             "rng": dist.gather_objects(rng.capture(self.device)),
-            "config": to_dict(self.cfg),
+            "config": self.config,
             "model_info": self.model_info,
             "metrics": dict(state.last_eval),
             "versions": {"dtrain": dtrain.__version__, "torch": str(torch.__version__)},
@@ -245,7 +250,7 @@ class Checkpointer:
         self, name: str, tmp: str, payload: dict, meta: dict, marker: dict, pending: Any
     ) -> None:
         """Write the files, publish on rank 0, and let no rank go on before it is published."""
-        group = self._save_group if self.cfg.ckpt.async_ else None
+        group = self._save_group if self.ckpt.async_ else None
         error: CheckpointError | None = None
         needed = ckpt_state.tensor_bytes(payload) + ckpt_state.tensor_bytes(meta)
         own_files: tuple[dict[str, int], dict[str, str]] = ({}, {})
@@ -296,7 +301,7 @@ class Checkpointer:
             digests.update(shard_digests)
         final = self.store.publish(name, tmp, marker, files, digests)
         log.info(f"saved checkpoint {final}")
-        ckpt = self.cfg.ckpt
+        ckpt = self.ckpt
         self.store.rotate(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.monitor_mode)
 
     def wait(self) -> None:
@@ -312,7 +317,7 @@ class Checkpointer:
     def resume(self) -> Resumed | None:
         """Load what `ckpt.resume` names into the model, optimizer, state and parts; returns
         where it came from, or None for a fresh start."""
-        choice = self.cfg.ckpt.resume
+        choice = self.ckpt.resume
         if choice == "none":
             self._supersede(lambda entries: entries, "fresh start (ckpt.resume=none)", records=True)
             log.info("fresh start (ckpt.resume=none)")
@@ -437,7 +442,7 @@ class Checkpointer:
     def _check_config(self, meta: dict[str, Any], folder: str) -> None:
         from dtrain.config import is_length_change
 
-        changes = training_differences(meta.get("config", {}), to_dict(self.cfg))
+        changes = training_differences(meta.get("config", {}), self.config)
         # A longer or shorter run trains the same thing: the run applies it (and says what the
         # schedule does, ckpt.on_length_change); only the other changes need `allow`.
         self.config_changes = changes
@@ -447,7 +452,7 @@ class Checkpointer:
         shown = "; ".join(changes[:6]) + (
             f"; and {len(changes) - 6} more" if len(changes) > 6 else ""
         )
-        if self.cfg.ckpt.resume_config_change != "allow":
+        if self.ckpt.resume_config_change != "allow":
             raise ConfigChanged(
                 f"checkpoint error: {folder} was saved by a config that trains "
                 f"something else ({shown}); to continue it on purpose set "
@@ -473,7 +478,7 @@ class Checkpointer:
                 f"world size changed from {saved_world} to {dist.world_size()}: resuming "
                 f"at the same sample of the epoch; random states are re-seeded"
             )
-            rng.reseed(self.cfg.run.seed + 7919 * (meta["train_state"]["step"] + 1) + dist.rank())
+            rng.reseed(self.seed + 7919 * (meta["train_state"]["step"] + 1) + dist.rank())
         self.state.load_state_dict(meta["train_state"])
         for name, part in self.parts.items():
             saved = meta["extra"].get(name)

@@ -23,6 +23,7 @@ from dtrain.config.schema import (
     DDPConfig,
     DistConfig,
     EarlyStopConfig,
+    EmaConfig,
     FSDPConfig,
     LogConfig,
     ModelConfig,
@@ -37,7 +38,7 @@ from dtrain.config.schema import (
 )
 from dtrain.core.errors import UserError
 
-# The schema (sections, keys, defaults, checks and docs) lives in config_schema; every name is
+# The schema (sections, keys, defaults, checks and docs) lives in schema.py; every name is
 # re-exported here, so `dtrain.config` stays the one place to import the config from.
 __all__ = [
     "NOT_TRAINING",
@@ -47,6 +48,7 @@ __all__ = [
     "DataConfig",
     "DistConfig",
     "EarlyStopConfig",
+    "EmaConfig",
     "FSDPConfig",
     "LogConfig",
     "ModelConfig",

@@ -42,7 +42,7 @@ from dtrain.parallel import reshard, unwrap
 from dtrain.process import compat, dist
 
 if TYPE_CHECKING:
-    from dtrain.config import Config
+    from dtrain.config import Config, EmaConfig
 
 KEY = "ema"  # the part of a checkpoint that holds the average: {parameter name: tensor}
 SUFFIX = "_ema"  # metrics of the averaged weights: val_acc_ema beside val_acc
@@ -98,9 +98,8 @@ class EmaWeights:
         self.loaded = False  # whether a checkpoint gave the average (else `reset` at the start)
 
     @staticmethod
-    def build(cfg: Config, model: nn.Module) -> EmaWeights | None:
+    def build(ema: EmaConfig, model: nn.Module) -> EmaWeights | None:
         """The average of `model`'s parameters when `train.ema.decay` is set, else None."""
-        ema = cfg.train.ema
         if ema.decay is None:
             return None
         return EmaWeights(model, ema.decay, ema.every_steps, ema.eval)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, data, models, parallel, tasks
-from dtrain.config import Config, dump, is_length_change
+from dtrain.config import Config, dump, is_length_change, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.data.sampler import epoch_steps
@@ -280,9 +280,11 @@ def _train(
     if scaler is not None:
         parts["scaler"] = scaler
     state = TrainState()
-    ema = EmaWeights.build(cfg, model)  # None unless train.ema.decay is set
+    ema = EmaWeights.build(cfg.train.ema, model)  # None unless train.ema.decay is set
     checkpoints = checkpoint.Checkpointer(
-        cfg=cfg,
+        ckpt=cfg.ckpt,
+        seed=cfg.run.seed,
+        config=to_dict(cfg),
         layout=layout,
         store=Store(run_dir),
         model=model,
