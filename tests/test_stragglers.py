@@ -77,7 +77,8 @@ def test_a_stalled_rank_answers_with_its_step_phase_and_stack(tmp_path, captured
     every thread's stack into its log file when a waiting rank asks."""
     from torch.distributed import TCPStore
 
-    from dtrain.observe import log, whereabouts
+    from dtrain.core.logs import log
+    from dtrain.process import whereabouts
 
     class State:
         step = 7
