@@ -6,7 +6,7 @@ its wall time; best run first. What it reads, all of it written by the runs them
 
 - `DIR/sweep.yaml` (a sweep folder): the trials, their names and swept values. A trial that has
   no row in runs.csv yet is `pending`.
-- `DIR/runs.csv` (records.py): status, error, wall time, the step of the last checkpoint.
+- `DIR/runs.csv` (run/records.py): status, error, wall time, the step of the last checkpoint.
 - `DIR/<run>/config.yaml`: `ckpt.monitor` and `ckpt.monitor_mode`; without a sweep.yaml, the
   training keys whose values differ between the runs stand in for the swept keys.
 - `DIR/<run>/metrics.jsonl`: the last record's step and epoch (later than the last checkpoint

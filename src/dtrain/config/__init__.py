@@ -1,5 +1,5 @@
 """The run configuration: YAML plus dotted overrides into nested dataclasses, checked strictly.
-The sections and keys are declared, with their docs, in `config_schema`.
+The sections and keys are declared, with their docs, in `schema` (the `data` section in `data`).
 
 Every problem is a `UserError` naming the key, raised before any process group exists and
 before anything is written, so a bad config costs nothing.

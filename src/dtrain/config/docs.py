@@ -3,7 +3,7 @@
     python -m dtrain.config.docs            # rewrite docs/configuration.md
     python -m dtrain.config.docs --check    # exit 1 if the file differs from the schema
 
-Each key's row comes from its field in `config_schema` (the `data` section: `config_data`): the
+Each key's row comes from its field in `schema` (the `data` section: `data`): the
 `doc=` sentence, the type, the default, and the allowed values or range check; each section's
 intro is its class docstring.
 """

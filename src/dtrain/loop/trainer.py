@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Callbacks:
-    """What else may run between steps, each hook a list that concerns subscribe to (run.py
+    """What else may run between steps, each hook a list that concerns subscribe to (run/
     fills them in): a new concern is a new entry, not an edit here.
 
     - `first_step`: after the first optimizer step of an attempt (state sizes exist only then);

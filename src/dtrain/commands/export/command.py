@@ -6,8 +6,8 @@ process group), every file checked against the marker's digests. `--weights ema`
 checkpoint's moving average of the weights instead of the trained ones.
 
 Formats: `state_dict` (plain tensors by parameter name), `torchscript` (torch.jit.trace),
-`exported` (torch.export), `onnx` (export_onnx: checked under onnxruntime on a validation batch)
-and `safetensors` (export_safetensors: the weights with the config beside them). After writing,
+`exported` (torch.export), `onnx` (onnx_file: checked under onnxruntime on a validation batch)
+and `safetensors` (safetensors_file: the weights with the config beside them). After writing,
 the file is loaded back the way a user would and its outputs (or weights) are compared with the
 checkpoint's model; a file that fails the check is removed and the command exits 1.
 """

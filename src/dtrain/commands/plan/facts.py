@@ -1,6 +1,6 @@
 """What `dtrain plan` works from: the launch's layout, the datasets' sizes and shapes (no sample
 read), and the model on the meta device with its blocks (what FSDP wraps) and their sizes. Both
-estimates start here: the plan's report (plan.py) and the memory limit's fit (plan_fit.py)."""
+estimates start here: the plan's report (command.py) and the memory limit's fit (fit.py)."""
 
 from __future__ import annotations
 
