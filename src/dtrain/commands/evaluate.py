@@ -41,6 +41,7 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.config import Config
 from dtrain.core.errors import UserError, first_line
+from dtrain.files import names
 from dtrain.files.store import MARKER, Store, fsync_dir, read_marker
 from dtrain.loop import evaluation
 from dtrain.observe import StartupClock, log, setup_logging
@@ -51,7 +52,7 @@ from dtrain.process import layout as layout_mod
 from dtrain.process.compat import tree_map_tensors
 from dtrain.process.layout import Layout
 
-EVALS = "evals"
+EVALS = names.EVALS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +62,7 @@ EVALS = "evals"
 def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> Config:
     """`DIR/config.yaml` (the resolved config the run trained with), the mapping of `config_path`
     merged over it, then the `section.key=value` overrides; checked like any config."""
-    saved = os.path.join(run_dir, "config.yaml")
+    saved = os.path.join(run_dir, names.CONFIG)
     if not os.path.isdir(run_dir):
         raise UserError(f"eval error: --run-dir {run_dir}: no such directory")
     if not os.path.isfile(saved):

@@ -28,6 +28,7 @@ import yaml
 
 from dtrain.core.errors import UserError
 from dtrain.core.monitor import best_first, improves
+from dtrain.files import names
 from dtrain.files.sweeps import SWEEP_FILE, overrides_of, read_sweep, swept_keys
 
 # Rows without a best value come after those with one, in this order (then folder order).
@@ -63,7 +64,7 @@ def collect(folder: str) -> tuple[list[str], list[dict[str, Any]]]:
     if sweep is None and not os.path.isfile(os.path.join(folder, records.FILE)):
         hint = (
             f" ('{folder}' is one run's directory: pass its parent)"
-            if os.path.isfile(os.path.join(folder, "config.yaml"))
+            if os.path.isfile(os.path.join(folder, names.CONFIG))
             else ""
         )
         raise UserError(
@@ -102,7 +103,7 @@ def _trial_dir(folder: str, trial: dict[str, Any]) -> str:
 
 def _config(run_dir: str) -> dict[str, Any]:
     try:
-        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+        with open(os.path.join(run_dir, names.CONFIG), encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError):
         return {}
@@ -142,7 +143,7 @@ def _row(
     ckpt = ckpt if isinstance(ckpt, dict) else {}
     monitor = ckpt.get("monitor") or (record or {}).get("monitor") or None
     mode = "min" if ckpt.get("monitor_mode") == "min" else "max"
-    seen = _scan(os.path.join(run_dir, "metrics.jsonl"), monitor, mode)
+    seen = _scan(os.path.join(run_dir, names.METRICS), monitor, mode)
     best, best_step = seen.best, seen.best_step
     if best is None and record and record.get("best_metric"):
         best = _number(record["best_metric"])  # the run's own figure; its step is unknown

@@ -30,6 +30,7 @@ from dtrain.core.errors import UserError
 from dtrain.data.decode import BadSample
 from dtrain.data.loaders import Datasets, Stacked
 from dtrain.data.sampler import SampleKey, index_of
+from dtrain.files import names
 from dtrain.process import dist
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -239,8 +240,8 @@ class Folder:
 
 
 def _split_files(root: str, split: str) -> list[str]:
-    single = os.path.join(root, f"{split}.bin")
-    shards = sorted(glob.glob(os.path.join(glob.escape(root), f"{split}_*.bin")))
+    single = os.path.join(root, names.token_file(split))
+    shards = sorted(glob.glob(os.path.join(glob.escape(root), names.token_shards(split))))
     if os.path.isfile(single) and shards:
         raise UserError(
             f"data error: {root} holds both {split}.bin and {split}_*.bin shards; keep one form"
@@ -293,8 +294,8 @@ def read_folder(cfg: DataConfig) -> Folder:
             f"data error: token folder not found at '{root}': set data.root to a folder of "
             f"train.bin and val.bin (e.g. made by dtrain tokenize)"
         )
-    files = {split: _split_files(root, split) for split in ("train", "val")}
-    meta_path = os.path.join(root, "meta.json")
+    files = {split: _split_files(root, split) for split in names.TOKEN_SPLITS}
+    meta_path = os.path.join(root, names.TOKEN_META)
     if os.path.isfile(meta_path):
         meta = _read_meta(meta_path)
         dtype = _meta_value(meta, "dtype", meta_path, DTYPES.__contains__, "uint16 or uint32")

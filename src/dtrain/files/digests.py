@@ -22,10 +22,11 @@ from typing import Any
 import xxhash
 
 from dtrain.core.errors import UserError
+from dtrain.files import names
 
 ALGORITHM = "xxh3_128"
 MARKER = "COMPLETE"
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = names.CHECKPOINTS
 FULL_FILE = "checkpoint.pt"
 _CHUNK = 16 * 2**20  # large reads: xxhash and read() both release the GIL for each one
 

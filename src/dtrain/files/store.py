@@ -37,15 +37,16 @@ from typing import Any
 from dtrain.core.errors import CheckpointError, UserError, first_line
 from dtrain.core.logs import log
 from dtrain.core.monitor import best_first
+from dtrain.files import names
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
 
 LATEST = "latest"
 LOCK_FILE = ".lock"
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = names.CHECKPOINTS
 SUPERSEDED = "superseded"
 TMP_PREFIX = ".tmp-"
 # What a run leaves beside its checkpoints that belongs to the same history.
-RECORD_FILES = ("metrics.jsonl", "tb")
+RECORD_FILES = (names.METRICS, names.TENSORBOARD)
 _LEGACY_NAME = re.compile(r"^step_(\d+)-epoch_(\d+)(?:-([A-Za-z_]+)_(-?[0-9.]+|nan|inf))?$")
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 
 from dtrain.core.errors import UserError
+from dtrain.files import names
 
-SWEEP_FILE = "sweep.yaml"
+SWEEP_FILE = names.SWEEP
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from dtrain.config import Config, flatten, to_dict
 from dtrain.core.logs import log
+from dtrain.files import names
 from dtrain.observe.progress import Progress, format_record
 from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink
 from dtrain.observe.trackers import build_trackers
@@ -103,11 +104,9 @@ class RunLog:
 def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | None) -> list[Sink]:
     """The sinks the config asks for, on rank 0. `superseded` is where a rewind moved the
     abandoned history (records dropped on resume go there too)."""
-    sinks: list[Sink] = [
-        JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resumed_step, superseded)
-    ]
+    sinks: list[Sink] = [JsonlSink(os.path.join(run_dir, names.METRICS), resumed_step, superseded)]
     if cfg.log.tensorboard:
-        sinks.append(TensorBoardSink(os.path.join(run_dir, "tb"), resumed_step))
+        sinks.append(TensorBoardSink(os.path.join(run_dir, names.TENSORBOARD), resumed_step))
     # After metrics.jsonl is cut back to the resumed step: the trackers hold what it keeps.
     sinks.extend(build_trackers(cfg, run_dir, resumed_step, superseded))
     return sinks

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dtrain.files import names
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
@@ -85,7 +87,7 @@ def drop_records_after(path: str, step: int, superseded: str | None = None) -> N
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a crash mid-write
     if dropped and superseded is not None:
-        with open(os.path.join(superseded, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        with open(os.path.join(superseded, names.METRICS), "a", encoding="utf-8") as f:
             f.writelines(dropped)
     if len(kept) != len(lines):
         tmp = path + ".tmp"

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from dtrain.config import Config, flatten, to_dict
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
+from dtrain.files import names
 from dtrain.observe.sinks import Record
 
 # name -> (module, class, extra that installs its library).
@@ -184,7 +185,7 @@ def run_info(cfg: Config, run_dir: str) -> RunInfo:
 
 def sweep_name(out_dir: str) -> str | None:
     """The name in `<out_dir>/sweep.yaml`: the trials of `dtrain sweep` live in its folder."""
-    path = os.path.join(out_dir, "sweep.yaml")
+    path = os.path.join(out_dir, names.SWEEP)
     if not os.path.isfile(path):
         return None
     import yaml
@@ -365,7 +366,7 @@ class TrackerSink:
 
     def _missed(self) -> Rows:
         """Records that metrics.jsonl keeps (up to the resumed step) and the tracker lacks."""
-        path = os.path.join(self.info.run_dir, "metrics.jsonl")
+        path = os.path.join(self.info.run_dir, names.METRICS)
         rows: Rows = []
         if not os.path.exists(path):
             return rows

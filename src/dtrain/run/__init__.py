@@ -19,6 +19,7 @@ from dtrain.config import Config, dump, is_length_change, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.data.sampler import epoch_steps
+from dtrain.files import names
 from dtrain.files.store import RunDirLock, Store
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights, monitored_metric
@@ -267,7 +268,7 @@ def _train(
     run_dir = cfg.run_dir
     record.start(run_dir)
     if dist.is_main():
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        with open(os.path.join(run_dir, names.CONFIG), "w", encoding="utf-8") as f:
             f.write(dump(cfg))
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)

@@ -28,11 +28,12 @@ import yaml
 
 from dtrain.config import Config, to_dict, training_part
 from dtrain.core.errors import UserError
+from dtrain.files import names
 from dtrain.files.store import CHECKPOINTS, LATEST, Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
 
-FILE = "runs.csv"
+FILE = names.RUNS_CSV
 COLUMNS = (
     "name",
     "status",

@@ -27,6 +27,7 @@ from dtrain import checkpoint, config, models, tasks
 from dtrain.checkpoint.state import load_checked, read_sharded
 from dtrain.commands.export.check import difference, report
 from dtrain.core.errors import UserError, first_line
+from dtrain.files import names
 
 FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors")
 WEIGHTS = ("model", "ema")
@@ -135,7 +136,7 @@ def export(
     _required(fmt)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if os.path.isdir(os.path.join(path, names.CHECKPOINTS)):
         raise UserError(
             f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"

@@ -24,9 +24,10 @@ from torch import nn
 import dtrain
 from dtrain import config, models
 from dtrain.commands.export.check import CheckFailed, difference, discard, report
+from dtrain.files import names
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.yaml"
+CONFIG_FILE = names.CONFIG
 
 
 def paths(out: str) -> tuple[str, str]:

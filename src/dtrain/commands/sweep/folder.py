@@ -13,9 +13,10 @@ import yaml
 from dtrain import config
 from dtrain.commands.sweep import space as sweep_space
 from dtrain.core.errors import UserError
+from dtrain.files import names
 
 VERSION = 1
-FILE = "sweep.yaml"
+FILE = names.SWEEP
 DONE = ("finished", "stopped_early")  # statuses a re-run does not launch again
 
 
@@ -47,7 +48,7 @@ def foreign_file(path: str, why: str) -> UserError:
 
 def statuses(folder: str) -> dict[str, dict[str, str]]:
     """The run records of the folder's runs (runs.csv) by run name; {} before any."""
-    path = os.path.join(folder, "runs.csv")
+    path = os.path.join(folder, names.RUNS_CSV)
     if not os.path.isfile(path):
         return {}
     with open(path, newline="", encoding="utf-8") as f:

@@ -47,6 +47,7 @@ from dtrain.commands.tokenize.output import (
 )
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
+from dtrain.files import names
 
 EOT = "<|endoftext|>"
 # The end-of-text tokens of common tokenizers (GPT-2 and most BPEs, Llama 3, Llama 2 and
@@ -214,7 +215,9 @@ def tokenize(
     }
     created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    partial = {n: os.path.join(out, n + ".partial") for n in ("train.bin", "val.bin")}
+    partial = {
+        n: os.path.join(out, n + ".partial") for n in map(names.token_file, names.TOKEN_SPLITS)
+    }
     target = os.path.join(out, "tokenizer.json")
     if tokenizer_path is None or not _same_file(tokenizer_path, target):
         partial["tokenizer.json"] = target + ".partial"

@@ -22,13 +22,18 @@ import numpy as np
 
 from dtrain.commands.tokenize.inputs import Piece, Source, pieces
 from dtrain.core.errors import UserError
+from dtrain.files import names
 from dtrain.observe.progress import clock
 
 BYTES_COUNTED = (
     "UTF-8 bytes of the documents' text, plus 1 for each end-of-text token; where the "
     "held-out cut divides a document, each side counts the bytes of its own tokens"
 )
-SHARD_PATTERNS = ("train.bin", "val.bin", "train_*.bin", "val_*.bin", "meta.json")
+SHARD_PATTERNS = (
+    *(names.token_file(s) for s in names.TOKEN_SPLITS),
+    *(names.token_shards(s) for s in names.TOKEN_SPLITS),
+    names.TOKEN_META,
+)
 
 
 @dataclass
@@ -206,17 +211,17 @@ def publish(out: str, partial: dict[str, str], meta: dict[str, Any]) -> None:
     meta.json goes first and stale shards of another run with it, so that until the new
     meta.json is in place the folder does not claim to be complete."""
     for name in existing_shards(out):
-        if name == "meta.json" or name not in partial:
+        if name == names.TOKEN_META or name not in partial:
             os.remove(os.path.join(out, name))
     for name, path in partial.items():
         os.replace(path, os.path.join(out, name))
-    meta_partial = os.path.join(out, "meta.json.partial")
+    meta_partial = os.path.join(out, names.TOKEN_META + ".partial")
     with open(meta_partial, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(meta_partial, os.path.join(out, "meta.json"))
+    os.replace(meta_partial, os.path.join(out, names.TOKEN_META))
     directory = os.open(out, os.O_RDONLY)
     try:
         os.fsync(directory)
