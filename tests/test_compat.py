@@ -184,3 +184,19 @@ def test_norm_layers_cover_batch_instance_layer_and_group_norms() -> None:
     for layer in (nn.BatchNorm2d(2), nn.InstanceNorm2d(2), nn.LayerNorm(2), nn.GroupNorm(1, 2)):
         assert isinstance(layer, compat.NORM_LAYERS)
     assert not isinstance(nn.Linear(2, 2), compat.NORM_LAYERS)
+
+
+def test_dcp_set_element_fills_a_nested_state_along_its_path() -> None:
+    state: dict = {}
+    compat.dcp_set_element(state, ("optimizer", "state", "0", "exp_avg"), torch.ones(2))
+    compat.dcp_set_element(state, ("optimizer", "param_groups", 0, "lr"), 0.5)
+    assert torch.equal(state["optimizer"]["state"]["0"]["exp_avg"], torch.ones(2))
+    assert state["optimizer"]["param_groups"] == [{"lr": 0.5}]
+
+
+def test_the_fake_tensor_mode_gives_shapes_without_memory() -> None:
+    layer = torch.nn.Linear(4096, 4096)
+    with compat.fake_tensor_mode():
+        out = layer(torch.randn(64, 4096))
+        assert out.shape == (64, 4096) and out.dtype == torch.float32
+    assert type(out).__name__ == "FakeTensor"

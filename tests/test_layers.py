@@ -219,3 +219,20 @@ def test_the_lowest_layers_import_no_torch(unit: str) -> None:
             and (node.module or "").split(".")[0] in ("torch", "numpy"))
     ]
     assert heavy == []
+
+
+def test_torchs_private_modules_are_imported_only_by_compat() -> None:
+    """torch's private API lives in process/compat.py, each use checked by tests/test_compat.py."""
+    private = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for module, path in MODULES.items()
+        if module != "dtrain.process.compat"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if any(part.startswith("_") and not part.startswith("__")
+               for name in ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                            else [a.name for a in node.names] if isinstance(node, ast.Import)
+                            else [])
+               if name.split(".")[0] == "torch"
+               for part in name.split("."))
+    ]
+    assert private == []

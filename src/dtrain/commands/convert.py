@@ -40,6 +40,7 @@ from dtrain.files.store import (
     fsync_dir,
     write_atomic,
 )
+from dtrain.process import compat
 
 FORMATS = ("full", "sharded")
 # What a sharded save writes through DCP (the rest of a checkpoint goes into meta.pt): the state
@@ -114,7 +115,6 @@ def _read_dcp(folder: str) -> dict[str, Any]:
     """Every value of the DCP checkpoint in `folder`, whole, in the nested layout it was saved
     from: empty tensors of the saved sizes and dtypes are made from DCP's metadata (read
     through dtrain's allow-list), then filled by dtrain's verified reader."""
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = ckpt_state.safe_reader(folder, digest.expected_digests(folder)).read_metadata()
@@ -129,7 +129,7 @@ def _read_dcp(folder: str) -> dict[str, Any]:
             else item
         )
         if key in paths:
-            set_element(state, paths[key], value)
+            compat.dcp_set_element(state, paths[key], value)
         else:
             state[key] = value
     ckpt_state.read_sharded(folder, state)
@@ -316,6 +316,4 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _count(data: Any) -> int:
-    from dtrain.process import compat
-
     return len(compat.tensor_leaves(data))

@@ -181,6 +181,22 @@ def dcp_reader(path: str, read_metadata: Callable[[IO[bytes]], Any]) -> Any:
     return Reader(path)
 
 
+def dcp_set_element(state: dict[str, Any], path: Any, value: Any) -> None:
+    """Put `value` at DCP's object path `path` (as its metadata's planner data gives it) into
+    the nested `state`, making the dicts and lists on the way."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state, path, value)
+
+
+def fake_tensor_mode() -> Any:
+    """A mode in which tensors have shapes and dtypes but no memory (inputs that are not fake
+    are taken too): a model's forward traced at any size, for what it saves for backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 def dcp_planner(load_bytes: Callable[[IO[bytes]], Any]) -> Any:
     """DCP's default load planner, reading the values it stored as bytes (anything that is not a
     tensor) with `load_bytes` instead of torch.load(weights_only=False)."""

@@ -17,6 +17,7 @@ from torch import nn
 from dtrain import parallel
 from dtrain.config import Config
 from dtrain.parallel.sharded_init import shard_rows
+from dtrain.process import compat
 
 # RNG states (~15 KiB per rank), the resolved config and the small training state in a checkpoint.
 CHECKPOINT_META_BYTES_PER_RANK = 16 * 1024
@@ -199,12 +200,10 @@ def traced_activations(
     forwards gives all three. Two forwards (2 and 4 samples) separate what grows with the
     batch from what does not (autocast's copies of the weights); 2, not 1, because BatchNorm
     refuses one sample."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # shapes and dtypes only, no memory
-
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
     model = copy.deepcopy(meta_model).to(weights)
     blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with compat.fake_tensor_mode():  # shapes and dtypes only, no memory
         model.to_empty(device="cpu").train()
         return _retained(model, blocks, cfg, example, weights, kinds)
 
