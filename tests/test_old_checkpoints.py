@@ -32,6 +32,15 @@ def _checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
+def _exported(checkpoint: Path, tmp_path: Path) -> dict:
+    """`dtrain export --format safetensors` of `checkpoint`, read back."""
+    out = tmp_path / "w"
+    result = dtrain("export", "--checkpoint", str(checkpoint), "--out", str(out),
+                    "--format", "safetensors")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return safetensors_torch.load_file(str(out / "model.safetensors"))
+
+
 @pytest.mark.parametrize("name, nproc", [("full", 0), ("sharded", 2)])
 def test_an_old_checkpoint_resumes_to_the_losses_the_old_code_recorded(name, nproc, tmp_path):
     run_dir = _copy(name, tmp_path)
@@ -48,11 +57,7 @@ def test_an_old_checkpoint_resumes_to_the_losses_the_old_code_recorded(name, npr
 
 def test_an_old_full_checkpoint_exports_its_weights_unchanged(tmp_path):
     checkpoint = _checkpoint(FIXTURES / "full")
-    out = tmp_path / "w"
-    result = dtrain("export", "--checkpoint", str(checkpoint), "--out", str(out),
-                    "--format", "safetensors")
-    assert result.returncode == 0, result.stderr[-3000:]
-    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    exported = _exported(checkpoint, tmp_path)
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["model"]
     assert sorted(exported) == sorted(saved)
     for key, value in saved.items():
@@ -63,11 +68,7 @@ def test_an_old_sharded_checkpoint_exports_the_weights_its_shards_hold(tmp_path)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     checkpoint = _checkpoint(FIXTURES / "sharded")
-    out = tmp_path / "w"
-    result = dtrain("export", "--checkpoint", str(checkpoint), "--out", str(out),
-                    "--format", "safetensors")
-    assert result.returncode == 0, result.stderr[-3000:]
-    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    exported = _exported(checkpoint, tmp_path)
     # torch's own conversion of the shards, independent of dtrain's reader
     dcp_to_torch_save(str(checkpoint / "dcp"), str(tmp_path / "whole.pt"))
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
