@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dtrain import config, models, parallel
 from dtrain.parallel import sharded_init
+from dtrain.parallel.precision import Precision
 from dtrain.process import dist, env, layout
 
 # Every tensor above 4 KiB is "large" here, so that even these small models are built row by row.
@@ -34,7 +35,9 @@ def main() -> None:
     dist.init(layout.resolve(cfg, launch), cfg.dist)
     for name, args, info in CASES:
         cfg = config.load(None, [f"model.name={name}", f"model.args={args}", "parallel.mode=fsdp"])
-        wrapped, count, notes = parallel.build(cfg, info, layout.resolve(cfg, launch))
+        resolved = layout.resolve(cfg, launch)
+        precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, resolved)
+        wrapped, count, notes = parallel.build(cfg, info, resolved, precision)
         full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
         if dist.is_main():

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import config, data, parallel, run
+from dtrain import config, data, run
 from dtrain.checkpoint.load import open_checkpoint
 from dtrain.checkpoint.state import (
     FULL_FILE,
@@ -258,7 +258,7 @@ def evaluate(cfg: Config, layout: Layout, pieces: run.Pieces) -> dict[str, float
         pieces.loaders.val_sampler.valid_count,
         device,
         lambda batch: data.to_device(batch, device, on_device, cfg.model.channels_last),
-        lambda: parallel.autocast(cfg.train.precision, layout.is_fsdp, device),
+        pieces.precision.autocast,
     )
 
 

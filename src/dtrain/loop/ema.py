@@ -73,17 +73,6 @@ def _placed(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return whole
 
 
-def overflowed(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """fp16: whether the grad scaler skipped this step, as a tensor on the device (read between
-    `scaler.step` and `scaler.update`); None where the scaler does not say."""
-    per_device = getattr(scaler, "_found_inf_per_device", None)
-    try:
-        found = list(per_device(optimizer).values()) if per_device is not None else []
-    except (KeyError, RuntimeError):
-        return None
-    return torch.stack([f.reshape(()) for f in found]).sum() > 0 if found else None
-
-
 class EmaWeights:
     """The average of a (wrapped) model's trainable parameters, by parameter name."""
 

@@ -5,12 +5,15 @@ that does the same arithmetic with fewer operations."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dtrain.process import compat
+
+if TYPE_CHECKING:
+    from dtrain.parallel.precision import Precision
 
 
 def one_kind(grads: list[torch.Tensor]) -> bool:
@@ -64,18 +67,17 @@ class Check:
         self.device = device
 
     def __call__(
-        self, wants_norm: bool, max_norm: float | None, scaler: Any | None
+        self, wants_norm: bool, max_norm: float | None, precision: Precision
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's non-finite flag (float on the device, non-zero: skip it) and its norm
         (None where neither wanted nor needed for clipping). Under fp16, the norm of the
         unscaled gradients (those the optimizer will apply), and the grad scaler decides
         instead of the flag (always zero here)."""
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
+        precision.unscale(self.optimizer)
         grads = [g for p in self.params if (g := p.grad) is not None]
         if self.one_kind is None:  # the gradients' kind does not change during a run
             self.one_kind = one_kind(grads)
-        if max_norm is None and scaler is None and self.one_kind:
+        if max_norm is None and not precision.scaled and self.one_kind:
             # Plain tensors (no shards; DDP averaged them: every rank sees the same): one fused
             # pass finds a non-finite gradient, and the dearer norm waits for a check to want it.
             return nonfinite_flag(grads, self.one), (
@@ -88,7 +90,7 @@ class Check:
             norm = total_norm(grads, bool(self.one_kind))
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
             norm = norm.full_tensor()
-        if scaler is not None:
+        if precision.scaled:
             return torch.zeros((), device=self.device), norm
         # The norm is global (reduced over FSDP's shards): every rank reaches the same verdict.
         return (~torch.isfinite(norm)).float(), norm

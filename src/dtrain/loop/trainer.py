@@ -28,12 +28,13 @@ from dtrain.core.monitor import improves
 from dtrain.data import Datasets, Loaders, to_device
 from dtrain.loop import evaluation, grads
 from dtrain.loop.early_stop import EarlyStop
-from dtrain.loop.ema import SUFFIX, EmaWeights, overflowed
+from dtrain.loop.ema import SUFFIX, EmaWeights
 from dtrain.loop.optim import LRSchedule, UserSchedule
 from dtrain.loop.state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import RunLog, Throughput, log, memory_stats
 from dtrain.observe.stragglers import Stragglers
 from dtrain.parallel import average_buffers
+from dtrain.parallel.precision import Precision
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 from dtrain.process.whereabouts import Whereabouts
@@ -74,7 +75,7 @@ class Trainer:
         task: Task,
         optimizer: torch.optim.Optimizer,
         schedule: LRSchedule | UserSchedule,
-        scaler: Any | None,
+        precision: Precision,
         datasets: Datasets,
         loaders: Loaders,
         checkpoints: Checkpointer,
@@ -83,7 +84,7 @@ class Trainer:
         throughput: Throughput,
     ) -> None:
         self.cfg, self.layout, self.model, self.task = cfg, layout, model, task
-        self.optimizer, self.schedule, self.scaler = optimizer, schedule, scaler
+        self.optimizer, self.schedule, self.precision = optimizer, schedule, precision
         self.datasets, self.loaders = datasets, loaders
         self.checkpoints, self.state = checkpoints, checkpoints.state
         self.run_log, self.callbacks, self.throughput = run_log, callbacks, throughput
@@ -92,7 +93,7 @@ class Trainer:
         self.samples_per_step = layout.effective_batch
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
         # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
-        self.masked_step = scaler is None and compat.masked_step_supported(optimizer)
+        self.masked_step = not precision.scaled and compat.masked_step_supported(optimizer)
         self.pending = Pending(self.device)
         self.check_gradients = grads.Check(list(model.parameters()), optimizer, self.device)
         self.window = Window()
@@ -233,15 +234,12 @@ class Trainer:
             where.phase = "forward/backward"
             batch = self._to_device(batch)
             last = micro == accum - 1
-            with self._gradient_sync(last), self._autocast():
+            with self._gradient_sync(last), self.precision.autocast():
                 loss = self.task.loss(model, batch)
                 if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
                     loss = loss / accum
             backward_began = time.perf_counter()
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            self.precision.backward(loss)
             # The last backward exchanges the gradients: the ranks wait there for the slowest.
             exchange = time.perf_counter() - backward_began
             # The first micro-batch's loss as it is (0 + x is x), the others added to it.
@@ -252,17 +250,16 @@ class Trainer:
         # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is
         # reduced over the shards: every rank reaches the same verdict. Under fp16 the grad
         # scaler decides (an overflow lowers the scale) instead.
-        skip, norm = self.check_gradients(wants_norm, self.cfg.train.clip_grad_norm, self.scaler)
+        skip, norm = self.check_gradients(wants_norm, self.cfg.train.clip_grad_norm, self.precision)
         # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
         # at the next check, before any evaluation or save), else the steps that changed nothing.
         ema_skip = None
         if self.ema is not None and self.cfg.train.nan_policy == "skip":
             ema_skip = (skip != 0).view(())
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            if self.ema is not None:  # read before update() forgets it
-                ema_skip = overflowed(self.scaler, self.optimizer)
-            self.scaler.update()
+        if self.precision.scaled:
+            overflowed = self.precision.step(self.optimizer)
+            if self.ema is not None:
+                ema_skip = overflowed
         elif self.masked_step:
             compat.masked_step(self.optimizer, skip)
         elif not bool(skip):  # an optimizer without a masked step: one wait per step
@@ -341,9 +338,6 @@ class Trainer:
             return no_sync()
         return parallel.NOTHING
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        return parallel.autocast(self.cfg.train.precision, self.layout.is_fsdp, self.device)
-
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """The task's metrics over the whole validation set as `val_<name>` (`evaluation`)."""
@@ -356,7 +350,7 @@ class Trainer:
             self.loaders.val_sampler.valid_count,
             self.device,
             self._to_device,
-            self._autocast,
+            self.precision.autocast,
         )
 
     def _evaluate(self, scheduled: bool = True) -> None:
@@ -440,8 +434,8 @@ class Trainer:
             if self._replaced:
                 record["bad_samples_replaced"] = self._replaced
             self._pending_record = {}
-            if self.scaler is not None:
-                record["loss_scale"] = float(self.scaler.get_scale())
+            if self.precision.scaled:
+                record["loss_scale"] = self.precision.loss_scale()
         extra = {f"mem/{k}": v for k, v in memory_stats(self.device).items()} if at_log_step else {}
         self.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:

@@ -21,24 +21,11 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.parallel import sharded_init
+from dtrain.parallel.precision import Precision
 from dtrain.process import dist, host_memory
 from dtrain.process.layout import Layout
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(
-    precision: str, is_fsdp: bool, device: torch.device
-) -> contextlib.AbstractContextManager:
-    """The forward pass's precision: FSDP applies it through its mixed-precision policy, every
-    other mode autocasts."""
-    dtype = PRECISION_DTYPES[precision]
-    if dtype == torch.float32 or is_fsdp:
-        return NOTHING
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-# Entered at every step (no autocast, no gradient-sync switch): one context that does nothing,
+# Entered at every step where gradient sync is not switched: one context that does nothing,
 # made once (a nullcontext keeps no state).
 NOTHING = contextlib.nullcontext()
 
@@ -180,7 +167,9 @@ def average_buffers(model: nn.Module) -> None:
         offset += b.numel()
 
 
-def build(cfg: Config, info: dict[str, Any], layout: Layout) -> tuple[nn.Module, int, list[str]]:
+def build(
+    cfg: Config, info: dict[str, Any], layout: Layout, precision: Precision
+) -> tuple[nn.Module, int, list[str]]:
     """The model for the run, wrapped for the parallel mode; its number of parameters; and a
     note for the banner on how it was built.
 
@@ -197,7 +186,7 @@ def build(cfg: Config, info: dict[str, Any], layout: Layout) -> tuple[nn.Module,
 
     if not layout.is_fsdp:
         model = construct()
-        return wrap(model, cfg, layout), _count(model), []
+        return wrap(model, cfg, layout, precision), _count(model), []
     memory_note = host_memory.return_freed_memory()
     notes = [memory_note] if memory_note else []
     shards = layout.shards
@@ -210,12 +199,12 @@ def build(cfg: Config, info: dict[str, Any], layout: Layout) -> tuple[nn.Module,
         )
         model = construct()
         return (
-            wrap(model, cfg, layout),
+            wrap(model, cfg, layout, precision),
             _count(model),
             [f"model built whole on every rank, then sharded ({e})", *notes],
         )
     count = _count(model)
-    wrapped = wrap(model, cfg, layout, on_meta=True)
+    wrapped = wrap(model, cfg, layout, precision, on_meta=True)
     wrapped.to_empty(device=layout.device)
     sharded_init.materialize(wrapped, params, buffers)
     return (
@@ -233,7 +222,9 @@ def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def wrap(model: nn.Module, cfg: Config, layout: Layout, on_meta: bool = False) -> nn.Module:
+def wrap(
+    model: nn.Module, cfg: Config, layout: Layout, precision: Precision, on_meta: bool = False
+) -> nn.Module:
     """Move the model to the device (unless it is on the meta device, to be materialised after
     sharding) and apply the per-block features and the parallel mode."""
     if not on_meta:
@@ -273,16 +264,15 @@ def wrap(model: nn.Module, cfg: Config, layout: Layout, on_meta: bool = False) -
             gradient_as_bucket_view=ddp.gradient_as_bucket_view,
             **buffer_option,
         )
-    return _fully_shard(model, blocks, cfg, layout)
+    return _fully_shard(model, blocks, cfg, layout, precision)
 
 
 def _fully_shard(
-    model: nn.Module, blocks: list[nn.Module], cfg: Config, layout: Layout
+    model: nn.Module, blocks: list[nn.Module], cfg: Config, layout: Layout, precision: Precision
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
-        MixedPrecisionPolicy,
         OffloadPolicy,
         fully_shard,
     )
@@ -300,13 +290,11 @@ def _fully_shard(
             "config error: parallel.fsdp.cpu_offload: offloading needs CUDA devices; "
             "on the CPU the state is already in host memory"
         )
-    param_dtype = PRECISION_DTYPES[cfg.train.precision]
     shard = functools.partial(
         fully_shard,
         mesh=mesh,
         reshard_after_forward=fsdp.reshard_after_forward,
-        # fp32 master weights; compute in the run's precision; gradients reduced in fp32.
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        mp_policy=precision.fsdp_policy(),
         # A plain OffloadPolicy is fully_shard's default: no offloading.
         offload_policy=CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy(),
     )

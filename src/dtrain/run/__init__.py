@@ -36,6 +36,7 @@ from dtrain.observe import (
     setup_logging,
 )
 from dtrain.observe.trackers import check_installed as check_trackers
+from dtrain.parallel.precision import Precision
 from dtrain.process import compat, dist, rng, slurm
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
@@ -125,17 +126,6 @@ def state_bytes(
     return totals
 
 
-def make_scaler(cfg: Config, layout: Layout) -> Any | None:
-    if cfg.train.precision != "fp16":
-        return None
-    if layout.is_fsdp:
-        # Sharded gradients: an inf on one rank's shard must skip the step on every rank.
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device=layout.device.type, init_scale=cfg.train.loss_scale_init)
-    return torch.amp.GradScaler(layout.device.type, init_scale=cfg.train.loss_scale_init)
-
-
 @dataclass
 class Pieces:
     """What a run trains, built and checked before anything is written."""
@@ -145,6 +135,7 @@ class Pieces:
     steps: Steps
     task: tasks.Task
     model: nn.Module  # wrapped for the parallel mode
+    precision: Precision  # its dtype, autocast, FSDP policy and (fp16) grad scaler
     num_params: int
     notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
     starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
@@ -222,17 +213,18 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     steps = epoch_steps(layout, cfg, len(datasets.train))
     task = tasks.build(cfg.task, datasets.info)
     clock.mark("data")
-    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout)
+    precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
+    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
     notes += model_notes
     clock.mark("model and wrap")
-    _check_task(cfg, layout, task, wrapped, loaders.val, datasets.on_device)
+    _check_task(cfg, layout, task, wrapped, precision, loaders.val, datasets.on_device)
     if layout.is_fsdp:
         parallel.reshard(wrapped)
     starting = (
         StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
     )
     clock.mark("task check")
-    return Pieces(datasets, loaders, steps, task, wrapped, num_params, notes, starting)
+    return Pieces(datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting)
 
 
 def _check_task(
@@ -240,6 +232,7 @@ def _check_task(
     layout: Layout,
     task: tasks.Task,
     model: nn.Module,
+    precision: Precision,
     val_loader: Any,
     on_device: Any,
 ) -> None:
@@ -249,7 +242,7 @@ def _check_task(
         next(iter(val_loader)), layout.device, on_device, cfg.model.channels_last
     )
     try:
-        with parallel.autocast(cfg.train.precision, layout.is_fsdp, layout.device):
+        with precision.autocast():
             problem = tasks.check(task, model, batch, monitored_metric(cfg))
     except UserError as e:
         problem = str(e)
@@ -275,11 +268,9 @@ def _train(
     schedule = optim.build_schedule(
         optimizer, cfg.sched, cfg.optim.lr, pieces.steps.total, cfg.ckpt.monitor_mode
     )
-    scaler = make_scaler(cfg, layout)
     torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
     parts: dict[str, checkpoint.Stateful] = {"schedule": schedule}
-    if scaler is not None:
-        parts["scaler"] = scaler
+    parts.update(pieces.precision.checkpoint_parts())
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, model)  # None unless train.ema.decay is set
     checkpoints = checkpoint.Checkpointer(
@@ -339,7 +330,7 @@ def _train(
         task=pieces.task,
         optimizer=optimizer,
         schedule=schedule,
-        scaler=scaler,
+        precision=pieces.precision,
         datasets=pieces.datasets,
         loaders=pieces.loaders,
         checkpoints=checkpoints,
