@@ -215,3 +215,14 @@ def assert_workers_resume_bit_exactly(runs: Path, overrides: list[str]) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs" / "run"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup` (make test): the tests of one file share a worker
+    (and so their module fixtures, which train once for many tests), and every test of the
+    SLURM clusters and the test hosts shares one worker, one at a time, as those services
+    expect: two of them at once would wait for each other's nodes."""
+    for item in items:
+        services = item.get_closest_marker("slurm") or item.get_closest_marker("cluster")
+        group = "services" if services else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

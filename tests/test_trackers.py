@@ -373,7 +373,9 @@ def test_a_hanging_tracker_never_slows_training_and_the_end_waits_a_bounded_time
     hang = threading.Event()
     began = time.monotonic()
     slowest_write = attempt(run_dir, FakeTracker(hang=hang), 0, range(1, 201))
-    assert time.monotonic() - began < 5 and slowest_write < 0.05
+    # A write that waited for the hanging tracker would take CLOSE_WAIT_S or forever: 0.5 s is
+    # far below either and above what a loaded machine adds to a file write.
+    assert time.monotonic() - began < 5 and slowest_write < 0.5
     assert warnings == ["fake: still sending 1 s after the end of the run; leaving it "
                         "(metrics.jsonl has every record; a resume of this run sends what the "
                         "tracker misses)"]
