@@ -217,12 +217,22 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs" / "run"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `pytest -n N --dist loadgroup` (make test): the tests of one file share a worker
-    (and so their module fixtures, which train once for many tests), and every test of the
-    SLURM clusters and the test hosts shares one worker, one at a time, as those services
-    expect: two of them at once would wait for each other's nodes."""
-    for item in items:
-        services = item.get_closest_marker("slurm") or item.get_closest_marker("cluster")
-        group = "services" if services else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+
+# The files whose tests use the SLURM clusters or the test hosts: under `make test` (pytest -n N)
+# they run on one worker, one test at a time, as those services expect (two at once would wait
+# for each other's nodes).
+SERVICES = ("tests/test_slurm.py", "tests/test_multinode.py", "tests/test_elastic.py",
+            "tests/test_sweep.py")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's own types
+    """Under `pytest -n N`: each file's tests share a worker (and so their module fixtures, which
+    train once for many tests); the files of SERVICES share one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "services" if path in SERVICES else path
+
+    return ByFile(config, log)

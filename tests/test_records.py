@@ -108,7 +108,8 @@ def test_config_hash_ignores_name_and_place_only() -> None:
 
 def _hammer(out_dir: str, name: str, count: int) -> None:
     cfg = config.load(None, [f"run.name={name}", f"run.out_dir={out_dir}"])
-    record = records.RunRecord(cfg, world_size=1, is_main=True)
+    described = {"model": cfg.model.name, "lr": str(cfg.optim.lr)}
+    record = records.RunRecord(out_dir, name, described, cfg.ckpt, world_size=1, is_main=True)
     record.start(os.path.join(out_dir, name))
     for step in range(1, count + 1):
         record.update(TrainState(step=step))

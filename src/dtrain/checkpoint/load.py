@@ -15,6 +15,7 @@ from dtrain.checkpoint import state as ckpt_state
 from dtrain.core.errors import UserError, first_line
 from dtrain.files.digests import MARKER, read_marker, verify_files
 from dtrain.process import dist
+from dtrain.process.compat import tree_map_tensors
 
 
 def open_checkpoint(path: str) -> tuple[str, str]:
@@ -35,11 +36,12 @@ def open_checkpoint(path: str) -> tuple[str, str]:
 
 def apply_full(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     data: dict[str, Any] | None,
     folder: str,
 ) -> None:
-    """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast."""
+    """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast.
+    Without an optimizer (evaluation), the model's weights only."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -50,21 +52,22 @@ def apply_full(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
     try:
         set_model_state_dict(model, data["model"], options=options)
-        with _own_implementation(optimizer):
-            set_optimizer_state_dict(model, optimizer, data["optimizer"], options=options)
+        if optimizer is not None:
+            with _own_implementation(optimizer):
+                set_optimizer_state_dict(model, optimizer, data["optimizer"], options=options)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
         raise UserError(f"checkpoint error: {folder}: {first_line(e)}") from None
 
 
 def apply_sharded(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     folder: str,
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Read every shard into new tensors first; apply them only when all were read. `extra`
     (tensors by part name, e.g. the EMA weights) is filled by the same read, for the caller to
-    apply."""
+    apply. Without an optimizer (evaluation), the model's weights only."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -72,15 +75,16 @@ def apply_sharded(
         set_optimizer_state_dict,
     )
 
-    staged = {
-        "model": _empty_like(get_model_state_dict(model)),
-        "optimizer": _empty_like(get_optimizer_state_dict(model, optimizer)),
-        **(extra or {}),
-    }
+    staged = {"model": tree_map_tensors(torch.empty_like, get_model_state_dict(model))}
+    if optimizer is not None:
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        staged["optimizer"] = tree_map_tensors(torch.empty_like, optimizer_state)
+    staged.update(extra or {})
     ckpt_state.read_sharded(folder, staged)
     set_model_state_dict(model, staged["model"])
-    with _own_implementation(optimizer):
-        set_optimizer_state_dict(model, optimizer, staged["optimizer"])
+    if optimizer is not None:
+        with _own_implementation(optimizer):
+            set_optimizer_state_dict(model, optimizer, staged["optimizer"])
 
 
 # How the optimizer computes its step, not what it learned: chosen for this run's placement (a
@@ -94,14 +98,3 @@ def _own_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     yield
     for group, flags in zip(optimizer.param_groups, kept, strict=True):
         group.update(flags)
-
-
-def _empty_like(obj: Any) -> Any:
-    """The same structure with new, uninitialised tensors (DTensors keep their sharding)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _empty_like(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_empty_like(v) for v in obj]
-    return obj

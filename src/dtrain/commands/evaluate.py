@@ -26,21 +26,19 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from dtrain import config, data, run
-from dtrain.checkpoint.load import open_checkpoint
+from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
 from dtrain.checkpoint.state import (
     FULL_FILE,
     META_FILE,
     dcp_model_shapes,
     load_checked,
-    read_sharded,
     shape_mismatch,
 )
 from dtrain.config import Config
-from dtrain.core.errors import UserError, first_line
+from dtrain.core.errors import UserError
 from dtrain.files import names
 from dtrain.files.store import MARKER, Store, fsync_dir, read_marker
 from dtrain.loop import evaluation
@@ -49,7 +47,6 @@ from dtrain.parallel import unwrap
 from dtrain.process import dist
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
-from dtrain.process.compat import tree_map_tensors
 from dtrain.process.layout import Layout
 
 EVALS = names.EVALS
@@ -172,16 +169,11 @@ def choose(run_dir: str, which: str, cfg: Config) -> Chosen:
 
 
 def load_weights(model: nn.Module, chosen: Chosen) -> None:
-    """The checkpoint's model weights into `model` (wrapped for this launch), as a resume
-    loads them: a full checkpoint is read by rank 0 (memory-mapped) and sent to the ranks, each
-    its part; a sharded one is read by every rank, its own part, through DCP. A checkpoint of
-    another model is refused with resuming's line before anything is loaded."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
+    """The checkpoint's model weights into `model` (wrapped for this launch), by the functions a
+    resume loads them with (`checkpoint.load`): a full checkpoint is read by rank 0
+    (memory-mapped) and sent to the ranks, each its part; a sharded one is read by every rank,
+    its own part, through DCP. A checkpoint of another model is refused with resuming's line
+    before anything is loaded."""
     ours = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
 
     def refuse_other_model(theirs: dict[str, tuple[int, ...]]) -> None:
@@ -204,23 +196,16 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
             held["model"] = weights
 
         dist.on_main(read)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
-        try:
-            set_model_state_dict(model, held.get("model", {}), options=options)
-        except (RuntimeError, KeyError, ValueError, AssertionError) as e:
-            raise UserError(f"checkpoint error: {chosen.folder}: {first_line(e)}") from None
+        apply_full(model, None, held or None, chosen.folder)
         return
     dist.on_main(lambda: refuse_other_model(dcp_model_shapes(chosen.folder)))
-    # New tensors of this launch's shapes and shardings, filled by DCP, applied only when all
-    # were read (DTensors keep their placement through empty_like).
-    staged = {"model": tree_map_tensors(torch.empty_like, get_model_state_dict(model))}
     try:
         with warnings.catch_warnings():
             # DCP's note that one process reads alone: what evaluating in one process means.
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single"
             )
-            read_sharded(chosen.folder, staged)
+            apply_sharded(model, None, chosen.folder)
     except UserError:
         if not os.path.isdir(chosen.folder):
             raise UserError(
@@ -228,7 +213,6 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
                 f"that is running rotated it out, ckpt.keep_last); run dtrain eval again"
             ) from None
         raise
-    set_model_state_dict(model, staged["model"])
 
 
 def check_ema(chosen: Chosen) -> None:

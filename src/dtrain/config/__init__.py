@@ -18,6 +18,7 @@ import yaml
 
 from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
 from dtrain.config.schema import (
+    DEFAULT_RUN_NAME,
     CkptConfig,
     Config,
     DDPConfig,
@@ -41,6 +42,7 @@ from dtrain.core.errors import UserError
 # The schema (sections, keys, defaults, checks and docs) lives in schema.py; every name is
 # re-exported here, so `dtrain.config` stays the one place to import the config from.
 __all__ = [
+    "DEFAULT_RUN_NAME",
     "NOT_TRAINING",
     "CkptConfig",
     "Config",

@@ -25,6 +25,9 @@ from dtrain.config.fields import (
     option,
 )
 
+# The name of a run started without a config file, a SLURM job or run.name.
+DEFAULT_RUN_NAME = "default"
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -439,5 +442,11 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     @property
+    def run_name(self) -> str:
+        """run.name, or the name of a run that names none (the launcher names every run first:
+        after its SLURM job or config file)."""
+        return self.run.name or DEFAULT_RUN_NAME
+
+    @property
     def run_dir(self) -> str:
-        return os.path.join(self.run.out_dir, self.run.name or "default")
+        return os.path.join(self.run.out_dir, self.run_name)

@@ -21,7 +21,7 @@ from torch import nn
 
 from dtrain import parallel
 from dtrain.checkpoint import Checkpointer
-from dtrain.config import Config
+from dtrain.config import CkptConfig, TrainConfig
 from dtrain.core import signals
 from dtrain.core.errors import TrainingStopped
 from dtrain.core.monitor import improves
@@ -69,7 +69,10 @@ class Trainer:
     def __init__(
         self,
         *,
-        cfg: Config,
+        train: TrainConfig,
+        ckpt: CkptConfig,
+        channels_last: bool,
+        sync_batchnorm: bool,
         layout: Layout,
         model: nn.Module,
         task: Task,
@@ -83,7 +86,8 @@ class Trainer:
         callbacks: Callbacks,
         throughput: Throughput,
     ) -> None:
-        self.cfg, self.layout, self.model, self.task = cfg, layout, model, task
+        self.train, self.ckpt, self.layout, self.model, self.task = train, ckpt, layout, model, task
+        self.channels_last, self.sync_batchnorm = channels_last, sync_batchnorm
         self.optimizer, self.schedule, self.precision = optimizer, schedule, precision
         self.datasets, self.loaders = datasets, loaders
         self.checkpoints, self.state = checkpoints, checkpoints.state
@@ -102,7 +106,7 @@ class Trainer:
         dist.publish_whereabouts(self.where)
         self.stragglers = Stragglers(dist.host_of)
         self.stop_requested: str | None = None
-        self.early_stop = EarlyStop(cfg.train.early_stop, cfg.ckpt, self.state)
+        self.early_stop = EarlyStop(train.early_stop, ckpt, self.state)
         self._first_step_done = False
         self._pending_record: dict[str, Any] = {}
         self._replaced = 0  # bad samples replaced by all ranks, as of the last agreement
@@ -132,10 +136,10 @@ class Trainer:
             gc.unfreeze()
 
     def _fit(self) -> str:
-        cfg, state = self.cfg, self.state
-        max_steps = cfg.train.max_steps or math.inf
+        train, ckpt, state = self.train, self.ckpt, self.state
+        max_steps = train.max_steps or math.inf
         while (
-            state.epoch < cfg.train.epochs
+            state.epoch < train.epochs
             and state.step < max_steps
             and not self.stop_requested
             and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
@@ -151,8 +155,8 @@ class Trainer:
             for done in range(done_before + 1, last_done + 1):
                 self._sync_debug(state.step >= 2)
                 last_in_epoch = done == last_done
-                at_log_step = (state.step + 1) % cfg.train.log_every == 0
-                check = (state.step + 1) % cfg.train.check_every_steps == 0 or last_in_epoch
+                at_log_step = (state.step + 1) % train.log_every == 0
+                check = (state.step + 1) % train.check_every_steps == 0 or last_in_epoch
                 times = self._train_step(batches, wants_norm=at_log_step or check)
                 if not self._first_step_done:
                     self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
@@ -165,7 +169,7 @@ class Trainer:
                 self._log_step(done, at_log_step)
                 for hook in self.callbacks.step_end:
                     hook()
-                if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
+                if train.eval_every_steps and state.step % train.eval_every_steps == 0:
                     self._agree()
                     self._evaluate()
                 # A save due on an epoch's last step waits for the epoch's end, so that the
@@ -181,9 +185,9 @@ class Trainer:
             if epoch_finished:
                 state.epoch += 1
                 state.samples_in_epoch = 0
-                if cfg.train.eval_every_epochs and state.epoch % cfg.train.eval_every_epochs == 0:
+                if train.eval_every_epochs and state.epoch % train.eval_every_epochs == 0:
                     self._evaluate()
-                due_by_epochs = cfg.ckpt.every_epochs and state.epoch % cfg.ckpt.every_epochs == 0
+                due_by_epochs = ckpt.every_epochs and state.epoch % ckpt.every_epochs == 0
                 if (due_by_epochs or self._save_due_by_steps()) and not self.stop_requested:
                     self._save()
         self._agree()
@@ -200,7 +204,7 @@ class Trainer:
             return "preempted"
         # Early stopping ends a run only before its end: one whose last scheduled evaluation
         # comes at its end has finished (a longer resume of it stops at once).
-        stopped_early = self.early_stop.due and state.epoch < cfg.train.epochs
+        stopped_early = self.early_stop.due and state.epoch < train.epochs
         stopped_early = stopped_early and state.step < max_steps
         if state.last_eval.get("step") != state.step:
             self._evaluate(scheduled=False)
@@ -250,11 +254,11 @@ class Trainer:
         # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is
         # reduced over the shards: every rank reaches the same verdict. Under fp16 the grad
         # scaler decides (an overflow lowers the scale) instead.
-        skip, norm = self.check_gradients(wants_norm, self.cfg.train.clip_grad_norm, self.precision)
+        skip, norm = self.check_gradients(wants_norm, self.train.clip_grad_norm, self.precision)
         # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
         # at the next check, before any evaluation or save), else the steps that changed nothing.
         ema_skip = None
-        if self.ema is not None and self.cfg.train.nan_policy == "skip":
+        if self.ema is not None and self.train.nan_policy == "skip":
             ema_skip = (skip != 0).view(())
         if self.precision.scaled:
             overflowed = self.precision.step(self.optimizer)
@@ -276,7 +280,7 @@ class Trainer:
     def _sync_debug(self, on: bool) -> None:
         """train.sync_debug on CUDA: torch warns at every synchronisation while a step runs
         (from the third step on; the checks turn it off while they read)."""
-        if self.cfg.train.sync_debug and self.device.type == "cuda":
+        if self.train.sync_debug and self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn" if on else "default")
 
     def _agree(self) -> None:
@@ -301,7 +305,7 @@ class Trainer:
             self._count_skip(first_step + offset, was_skipped)
 
     def _count_skip(self, step: int, skipped: bool) -> None:
-        state, train = self.state, self.cfg.train
+        state, train = self.state, self.train
         if not skipped:
             state.consecutive_skips = 0
             return
@@ -324,7 +328,7 @@ class Trainer:
             )
 
     def _to_device(self, batch: Any) -> Any:
-        return to_device(batch, self.device, self.datasets.on_device, self.cfg.model.channels_last)
+        return to_device(batch, self.device, self.datasets.on_device, self.channels_last)
 
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
@@ -365,18 +369,18 @@ class Trainer:
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}
-        value = metrics.get(self.cfg.ckpt.monitor)
+        value = metrics.get(self.ckpt.monitor)
         self.schedule.on_eval(value)
         if scheduled and not again:
             self.early_stop.count(value)
-        if value is not None and improves(value, state.best_metric, self.cfg.ckpt.monitor_mode):
+        if value is not None and improves(value, state.best_metric, self.ckpt.monitor_mode):
             state.best_metric = value
         self.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
         for hook in self.callbacks.evaluated:
             hook(state, metrics)
 
     def _save_due_by_steps(self) -> bool:
-        every = self.cfg.ckpt.every_steps
+        every = self.ckpt.every_steps
         if not every:
             return False
         return self.state.step % every == 0
@@ -384,7 +388,7 @@ class Trainer:
     def _consistent_buffers(self) -> None:
         """Without sync_batchnorm every rank's BatchNorm statistics follow its own batches: use
         their mean for evaluation and checkpoints, the same on every rank."""
-        if not self.cfg.parallel.sync_batchnorm:
+        if not self.sync_batchnorm:
             average_buffers(self.model)
 
     def _save(self) -> None:

@@ -161,7 +161,7 @@ def run_info(cfg: Config, run_dir: str) -> RunInfo:
     from dtrain.process import dist
 
     out_dir = os.path.abspath(cfg.run.out_dir)
-    name = cfg.run.name or "default"
+    name = cfg.run_name
     sweep = sweep_name(out_dir)
     tags = {
         "host": socket.gethostname(),

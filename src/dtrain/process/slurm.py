@@ -15,7 +15,6 @@ import re
 import subprocess
 import time
 
-from dtrain.config import Config
 from dtrain.core import signals
 from dtrain.core.logs import log
 from dtrain.process.env import Env
@@ -108,11 +107,12 @@ def _suggested_grace(save_s: float) -> int:
     return int(60 + 2 * save_s + 30)
 
 
-def after_preemption(cfg: Config, env: Env) -> None:
+def after_preemption(requeue_job: bool, env: Env) -> None:
     """Rank 0, once the preemption checkpoint is complete: report the timing, then requeue a
     job that is still running (the time-limit warning, a preemption's grace time). A job that
     is already ending was cancelled or ran out of time: requeueing it would undo a scancel.
-    An array task requeues itself alone (`scontrol requeue <array job>_<task>`)."""
+    An array task requeues itself alone (`scontrol requeue <array job>_<task>`).
+    `requeue_job` is slurm.requeue."""
     job_id = job_label(env.slurm_job_id)
     name = signals.received()
     fields = job_fields(job_id) if job_id else {}
@@ -123,7 +123,7 @@ def after_preemption(cfg: Config, env: Env) -> None:
         log.info(took if left is None else f"{took}, {left:.0f} s before the job's time limit")
     if job_id is None:
         return
-    if not cfg.slurm.requeue:
+    if not requeue_job:
         log.info(
             f"slurm.requeue is false: SLURM job {job_id} is not requeued; submit it again "
             f"to resume from the checkpoint"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, data, models, parallel, tasks
-from dtrain.config import Config, dump, is_length_change, to_dict
+from dtrain.config import DEFAULT_RUN_NAME, Config, dump, is_length_change, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.data.sampler import epoch_steps
@@ -55,9 +55,9 @@ def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = No
     if env.slurm_job_id:
         name = f"job_{env.slurm_job_id}"
     elif config_path:
-        name = os.path.splitext(os.path.basename(config_path))[0] or "default"
+        name = os.path.splitext(os.path.basename(config_path))[0] or DEFAULT_RUN_NAME
     else:
-        name = "default"
+        name = DEFAULT_RUN_NAME
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
 
 
@@ -156,7 +156,14 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     setup_logging(dist.rank(), cfg.log.all_ranks)
     signals.install()
     lock = RunDirLock(cfg.run_dir)
-    record = records.RunRecord(cfg, dist.world_size(), dist.is_main())
+    record = records.RunRecord(
+        cfg.run.out_dir,
+        cfg.run_name,
+        records.describe(cfg, layout),
+        cfg.ckpt,
+        layout.world_size,
+        dist.is_main(),
+    )
     loaders: data.Loaders | None = None
     try:
         pieces = build_pieces(cfg, layout, clock)
@@ -165,7 +172,9 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         attach_log_files(cfg.run_dir, dist.rank())
         outcome = _train(cfg, layout, record, pieces, clock)
         if outcome == "preempted" and dist.is_main():
-            slurm.after_preemption(cfg, env)  # the checkpoint is complete: requeue the job
+            slurm.after_preemption(
+                cfg.slurm.requeue, env
+            )  # the checkpoint is complete: requeue the job
         # No rank leaves before rank 0 has published the last checkpoint and requeued: under
         # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
         dist.barrier()
@@ -324,7 +333,10 @@ def _train(
         peak * layout.world_size if peak else None,
     )
     trainer = Trainer(
-        cfg=cfg,
+        train=cfg.train,
+        ckpt=cfg.ckpt,
+        channels_last=cfg.model.channels_last,
+        sync_batchnorm=cfg.parallel.sync_batchnorm,
         layout=layout,
         model=model,
         task=pieces.task,

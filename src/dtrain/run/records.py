@@ -26,12 +26,13 @@ from typing import Any
 
 import yaml
 
-from dtrain.config import Config, to_dict, training_part
+from dtrain.config import CkptConfig, Config, to_dict, training_part
 from dtrain.core.errors import UserError
 from dtrain.files import names
 from dtrain.files.store import CHECKPOINTS, LATEST, Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
+from dtrain.process.layout import Layout
 
 FILE = names.RUNS_CSV
 COLUMNS = (
@@ -115,12 +116,42 @@ def best_checkpoint(run_dir: str, monitor: str, mode: str) -> str:
     return os.path.abspath(best.path) if best is not None else ""
 
 
-class RunRecord:
-    """This run's row. Every method is a no-op except on rank 0 once `start` has run."""
+def describe(cfg: Config, layout: Layout) -> dict[str, str]:
+    """What a run's row says of what it trains (the assembly's part: the record itself never
+    reads the config)."""
+    return {
+        "monitor": cfg.ckpt.monitor,
+        "config_hash": config_hash(cfg),
+        "mode": cfg.parallel.mode,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "optimizer": cfg.optim.name,
+        "lr": str(cfg.optim.lr),
+        "effective_batch": str(layout.effective_batch),
+        "epochs": str(cfg.train.epochs),
+        "max_steps": str(cfg.train.max_steps or ""),
+        "precision": cfg.train.precision,
+        "seed": str(cfg.run.seed),
+    }
 
-    def __init__(self, cfg: Config, world_size: int, is_main: bool) -> None:
-        self.cfg, self.world_size, self.is_main = cfg, world_size, is_main
-        self.path = os.path.join(cfg.run.out_dir, FILE)
+
+class RunRecord:
+    """This run's row in `out_dir`'s table. Every method is a no-op except on rank 0 once
+    `start` has run. `described` is the row's account of the config (`describe`); `ckpt` says
+    whether the run resumes and what its best checkpoint is judged by."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        name: str,
+        described: dict[str, str],
+        ckpt: CkptConfig,
+        world_size: int,
+        is_main: bool,
+    ) -> None:
+        self.name, self.described, self.ckpt = name, described, ckpt
+        self.world_size, self.is_main = world_size, is_main
+        self.path = os.path.join(out_dir, FILE)
         self.run_dir = ""
         self.started = False
         self.ended = False
@@ -131,12 +162,11 @@ class RunRecord:
         """Write the row as running; a resumed run continues its earlier row."""
         if not self.is_main:
             return
-        cfg = self.cfg
-        resuming = cfg.ckpt.resume != "none" and os.path.exists(
+        resuming = self.ckpt.resume != "none" and os.path.exists(
             os.path.join(run_dir, CHECKPOINTS, LATEST)
         )
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        name = self._name()
+        name = self.name
         row = {
             "name": name,
             "status": "running",
@@ -145,21 +175,10 @@ class RunRecord:
             "attempts": "1",
             "step": "0",
             "world_size": str(self.world_size),
-            "monitor": cfg.ckpt.monitor,
             "best_metric": "",
             "best_checkpoint": "",
             "git_commit": git_commit(os.getcwd()),
-            "config_hash": config_hash(cfg),
-            "mode": cfg.parallel.mode,
-            "model": cfg.model.name,
-            "data": cfg.data.name,
-            "optimizer": cfg.optim.name,
-            "lr": str(cfg.optim.lr),
-            "effective_batch": str(cfg.data.batch_size * self.world_size * cfg.train.grad_accum),
-            "epochs": str(cfg.train.epochs),
-            "max_steps": str(cfg.train.max_steps or ""),
-            "precision": cfg.train.precision,
-            "seed": str(cfg.run.seed),
+            **self.described,
             "error": "",
             # `<array job>_<task>` for a task of a job array (a sweep's trial), as squeue shows it
             "slurm_job": slurm.job_label(os.environ.get("SLURM_JOB_ID")) or "",
@@ -188,7 +207,7 @@ class RunRecord:
         """After a checkpoint (running) and at the end (finished, preempted or stopped_early)."""
         if not self.started or self.ended:
             return
-        ckpt = self.cfg.ckpt
+        ckpt = self.ckpt
         fields = {
             "status": status,
             "step": str(state.step),
@@ -206,7 +225,7 @@ class RunRecord:
             return
         try:
             with _table(self.path) as rows:
-                row = rows.setdefault(self._name(), {"name": self._name()})
+                row = rows.setdefault(self.name, {"name": self.name})
                 earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
                 row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
         except (OSError, csv.Error) as e:
@@ -220,15 +239,11 @@ class RunRecord:
         self.ended = True
         self._write({"status": "failed", "error": f"{type(error).__name__}: {message}"[:200]})
 
-    def _name(self) -> str:
-        # The run is named before its record starts; the fallback is Config.run_dir's.
-        return self.cfg.run.name or "default"
-
     def _write(self, fields: dict[str, str]) -> None:
         wall = self.earlier_wall_s + time.monotonic() - self.attempt_start
         try:
             with _table(self.path) as rows:
-                name = self._name()
+                name = self.name
                 row = rows.setdefault(name, {"name": name})
                 row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
         except (OSError, csv.Error) as e:  # a full disk must not end the run (or hide its error)
