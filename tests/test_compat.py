@@ -200,3 +200,33 @@ def test_the_fake_tensor_mode_gives_shapes_without_memory() -> None:
         out = layer(torch.randn(64, 4096))
         assert out.shape == (64, 4096) and out.dtype == torch.float32
     assert type(out).__name__ == "FakeTensor"
+
+
+def test_the_fused_average_updates_equal_their_formulas() -> None:
+    torch.manual_seed(0)
+    values = [torch.randn(3), torch.randn(2, 2)]
+    start = [torch.randn(3), torch.randn(2, 2)]
+    copied = [torch.empty(3), torch.empty(2, 2)]
+    compat.foreach_copy(copied, values)
+    assert all(torch.equal(c, v) for c, v in zip(copied, values))
+    lerped = [s.clone() for s in start]
+    compat.foreach_lerp(lerped, values, 0.25)
+    assert all(torch.allclose(x, s + 0.25 * (v - s)) for x, s, v in zip(lerped, start, values))
+    moved = [s.clone() for s in start]
+    compat.foreach_move_towards(moved, values, torch.tensor(0.25))
+    assert all(torch.allclose(m, x) for m, x in zip(moved, lerped))
+    kept = [s.clone() for s in start]
+    compat.foreach_move_towards(kept, values, torch.tensor(0.0))  # a skipped step
+    assert all(torch.equal(k, s) for k, s in zip(kept, start))
+
+
+def test_a_wrapper_subclass_has_the_shape_and_kind_but_no_storage_of_its_own() -> None:
+    class Wrapped(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # never called here
+            raise NotImplementedError
+
+    like = torch.zeros(2, dtype=torch.float16)
+    out = compat.wrapper_subclass(Wrapped, torch.Size([5, 4]), like)
+    assert type(out) is Wrapped and out.shape == (5, 4)
+    assert out.dtype == torch.float16 and out.device == like.device

@@ -236,3 +236,27 @@ def test_torchs_private_modules_are_imported_only_by_compat() -> None:
                for part in name.split("."))
     ]
     assert private == []
+
+
+def _torch_private_attribute(node: ast.AST) -> bool:
+    """`torch._x` or `torch.a._x` (a private function or module reached by attribute)."""
+    if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+        return False
+    if node.attr.startswith("__"):
+        return False
+    base = node.value
+    while isinstance(base, ast.Attribute):
+        base = base.value
+    return isinstance(base, ast.Name) and base.id == "torch"
+
+
+def test_torchs_private_functions_are_called_only_by_compat() -> None:
+    """`torch._foreach_*` and the like are private API too: reached only through compat."""
+    private = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for module, path in MODULES.items()
+        if module != "dtrain.process.compat"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if _torch_private_attribute(node)
+    ]
+    assert private == []

@@ -301,10 +301,10 @@ def test_a_folder_that_is_neither_is_one_line_and_2(tmp_path: Path,
         f"parent)"]
     (run_dir / "sweep.yaml").write_text("trials: [oops\n")
     [line] = error(str(run_dir), "--format", "json")
-    assert line.startswith(f"dtrain: runs error: cannot read {run_dir / 'sweep.yaml'} (")
+    assert line.startswith(f"dtrain: runs error: {run_dir / 'sweep.yaml'} cannot be read (")
     (run_dir / "sweep.yaml").write_text("name: S\n")
     assert error(str(run_dir)) == [
-        f"dtrain: runs error: {run_dir / 'sweep.yaml'} is not a sweep's file (it needs a "
+        f"dtrain: runs error: {run_dir / 'sweep.yaml'} is not a sweep description (it needs a "
         f"'trials' list, each with a 'name'); move it away or pass another folder"]
     assert error(str(tmp_path), f"--out-dir={tmp_path}") == [
         "dtrain: runs error: give the folder as DIR or as --out-dir, not both"]

@@ -29,7 +29,7 @@ import yaml
 from dtrain.core.errors import UserError
 from dtrain.core.monitor import best_first, improves
 from dtrain.files import names
-from dtrain.files.sweeps import SWEEP_FILE, overrides_of, read_sweep, swept_keys
+from dtrain.files.sweeps import SWEEP_FILE, NotASweep, overrides_of, read_sweep, swept_keys
 
 # Rows without a best value come after those with one, in this order (then folder order).
 _UNRANKED = ("running", "preempted", "finished", "stopped_early", "failed", "pending")
@@ -60,7 +60,10 @@ def collect(folder: str) -> tuple[list[str], list[dict[str, Any]]]:
             f"runs error: '{folder}' is not a directory; pass a sweep folder or the "
             f"run.out_dir of your runs"
         )
-    sweep = read_sweep(folder)
+    try:
+        sweep = read_sweep(folder)
+    except NotASweep as e:
+        raise UserError(f"runs error: {e}; move it away or pass another folder") from None
     if sweep is None and not os.path.isfile(os.path.join(folder, records.FILE)):
         hint = (
             f" ('{folder}' is one run's directory: pass its parent)"

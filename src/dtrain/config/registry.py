@@ -30,6 +30,9 @@ class Entry:
     target: str  # the builder, as 'module:function'
     doc: str = ""
     reports: tuple[str, ...] = ()  # tasks: what an evaluation reports, as val_<name>
+    # datasets: what gives their sizes and `info` without reading a sample ('module:function',
+    # as the builder's arguments); none: the builder itself (a user's datasets)
+    sizes: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,21 @@ class Table:
 
     def builder(self, name: str) -> Callable[..., Any]:
         """The function that builds `name` (imported now)."""
-        module, _, attr = self.entry(name).target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _imported(self.entry(name).target)
+
+    def sizes(self, name: str) -> Callable[..., Any]:
+        """The function that gives `name`'s sizes without building it, else its builder."""
+        entry = self.entry(name)
+        return _imported(entry.sizes or entry.target)
 
 
-def _entries(target: str, docs: dict[str, str]) -> dict[str, Entry]:
-    return {name: Entry(target, doc) for name, doc in docs.items()}
+def _imported(target: str) -> Callable[..., Any]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _entries(target: str, docs: dict[str, str], sizes: str = "") -> dict[str, Entry]:
+    return {name: Entry(target, doc, sizes=sizes) for name, doc in docs.items()}
 
 
 # builder(cfg: ModelConfig, info: dict) -> nn.Module; `info` is what the datasets declare.
@@ -89,7 +101,7 @@ MODELS = Table(
     user=Entry("dtrain.models:build_user", "called with the model config"),
 )
 
-# builder(cfg: DataConfig, seed: int) -> data.Datasets
+# builder(cfg: DataConfig, seed: int) -> data.Datasets; sizes: the same, of samples never read
 DATASETS = Table(
     key="data.name",
     kind="dataset",
@@ -103,10 +115,21 @@ DATASETS = Table(
                 "fashion_mnist": "Fashion-MNIST under data.root",
                 "imagefolder": "data.root/{train,val}/<class>/<image>",
             },
+            sizes="dtrain.data.sizes:images",
         ),
-        "text": Entry("dtrain.data.text:build", "UTF-8 text as byte windows"),
-        "tokens": Entry("dtrain.data.tokens:build", "token files (.bin, meta.json) as windows"),
-        "hf": Entry("dtrain.data.hf:build", "Hugging Face datasets on disk (saved, parquet)"),
+        "text": Entry(
+            "dtrain.data.text:build", "UTF-8 text as byte windows", sizes="dtrain.data.sizes:text"
+        ),
+        "tokens": Entry(
+            "dtrain.data.tokens:build",
+            "token files (.bin, meta.json) as windows",
+            sizes="dtrain.data.sizes:tokens",
+        ),
+        "hf": Entry(
+            "dtrain.data.hf:build",
+            "Hugging Face datasets on disk (saved, parquet)",
+            sizes="dtrain.data.sizes:hf",
+        ),
     },
     user=Entry("dtrain.data.user:build", "returns (train_dataset, val_dataset)"),
 )

@@ -47,13 +47,21 @@ __all__ = [
 
 
 def build(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
-    """The train and validation datasets named by `data.name` (see registry.DATASETS). The
-    builder gets the data config with what it leaves to the model settled: the length of a text
-    or token window (`seq_len_of`)."""
+    """The train and validation datasets named by `data.name` (see registry.DATASETS)."""
+    return registry.DATASETS.builder(cfg.name)(_settled(cfg, model_args), seed)
+
+
+def sizes(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
+    """What `build` would give, as lengths and `info` only: no sample is read (`dtrain plan`)."""
+    return registry.DATASETS.sizes(cfg.name)(_settled(cfg, model_args), seed)
+
+
+def _settled(cfg: DataConfig, model_args: dict | None) -> DataConfig:
+    """The data config with what it leaves to the model settled: the length of a text or token
+    window (`seq_len_of`)."""
     seq_len = seq_len_of(cfg, model_args)
-    settled = dataclasses.replace(
+    return dataclasses.replace(
         cfg,
         text=dataclasses.replace(cfg.text, seq_len=seq_len),
         tokens=dataclasses.replace(cfg.tokens, seq_len=seq_len),
     )
-    return registry.DATASETS.builder(cfg.name)(settled, seed)

@@ -12,10 +12,10 @@ from typing import Any
 
 import yaml
 
-from dtrain.core.errors import UserError
 from dtrain.files import names
 
 SWEEP_FILE = names.SWEEP
+VERSION = 1  # of sweep.yaml: what `dtrain sweep` writes
 
 
 @dataclass(frozen=True)
@@ -28,26 +28,37 @@ class TrialSweep:
     domains: dict[str, list[Any]]
 
 
+class NotASweep(Exception):
+    """A sweep.yaml that cannot be read or is not one this dtrain wrote: each command says so
+    in its own words."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path} {why}")
+        self.path, self.why = path, why
+
+
 def read_sweep(folder: str) -> dict[str, Any] | None:
-    """`folder/sweep.yaml` (see the sweep command), None when there is none. A file that is not
-    a sweep's is a UserError naming it."""
+    """`folder/sweep.yaml` (see the sweep command), None when there is none; NotASweep for a
+    file that cannot be read or is not a sweep's of this format."""
     path = os.path.join(folder, SWEEP_FILE)
     if not os.path.isfile(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise UserError(f"runs error: cannot read {path} ({reason})") from e
+        raise NotASweep(path, f"cannot be read ({reason})") from None
     trials = data.get("trials") if isinstance(data, dict) else None
     if not isinstance(trials, list) or not all(
         isinstance(t, dict) and isinstance(t.get("name"), str) for t in trials
     ):
-        raise UserError(
-            f"runs error: {path} is not a sweep's file (it needs a 'trials' list, each with "
-            f"a 'name'); move it away or pass another folder"
+        raise NotASweep(
+            path, "is not a sweep description (it needs a 'trials' list, each with a 'name')"
         )
+    assert isinstance(data, dict)
+    if data.get("version") != VERSION:
+        raise NotASweep(path, f"has version {data.get('version')!r}, this dtrain reads {VERSION}")
     return data
 
 
@@ -69,7 +80,7 @@ def trial_of(run_dir: str) -> TrialSweep | None:
     run_dir = os.path.abspath(run_dir)
     try:
         sweep = read_sweep(os.path.dirname(run_dir))
-    except UserError:
+    except NotASweep:
         return None
     if sweep is None:
         return None

@@ -96,7 +96,7 @@ class EmaWeights:
     @torch.no_grad()
     def reset(self) -> None:
         """The average starts from the weights the run starts from."""
-        torch._foreach_copy_(_local(self.average), _local(self.params))
+        compat.foreach_copy(_local(self.average), _local(self.params))
 
     @torch.no_grad()
     def update(self, step: int, skipped: torch.Tensor | None) -> None:
@@ -107,13 +107,11 @@ class EmaWeights:
             return
         average, params = _local(self.average), _local(self.params)
         if skipped is None:
-            torch._foreach_lerp_(average, params, 1.0 - self.decay)
+            compat.foreach_lerp(average, params, 1.0 - self.decay)
             return
         # A tensor weight: lerp's takes only a number, and reading the flag would wait.
         weight = (~skipped).to(device=average[0].device, dtype=torch.float32) * (1.0 - self.decay)
-        deltas = torch._foreach_sub(params, average)
-        torch._foreach_mul_(deltas, weight)
-        torch._foreach_add_(average, deltas)
+        compat.foreach_move_towards(average, params, weight)
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -193,7 +191,7 @@ class EmaWeights:
         if staged is None:
             return
         values = [staged[KEY][n] for n in self.names]
-        torch._foreach_copy_(_local(self.average), _local(values))
+        compat.foreach_copy(_local(self.average), _local(values))
         self.loaded = True
 
 

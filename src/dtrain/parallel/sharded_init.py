@@ -115,9 +115,7 @@ class Rows(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: torch.Size, local: torch.Tensor, start: int, stop: int) -> Rows:
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=local.dtype, device=local.device
-        )
+        out = compat.wrapper_subclass(cls, shape, local)
         out.local, out.start, out.stop = local, start, stop
         return out
 

@@ -76,6 +76,32 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, 2.0))
 
 
+def wrapper_subclass(cls: type, shape: torch.Size, like: torch.Tensor) -> Any:
+    """A tensor of subclass `cls` with `shape` and `like`'s dtype and device that holds no
+    storage of its own (what `__torch_dispatch__` subclasses are made with)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i] <- src[i], in one fused pass."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_lerp(average: list[torch.Tensor], values: list[torch.Tensor], weight: float) -> None:
+    """average[i] += weight * (values[i] - average[i]), in one fused pass."""
+    torch._foreach_lerp_(average, values, weight)
+
+
+def foreach_move_towards(
+    average: list[torch.Tensor], values: list[torch.Tensor], weight: torch.Tensor
+) -> None:
+    """lerp with a 0-d tensor weight, which lerp itself does not take: read on the device, so
+    that a weight decided there (a skipped step) never makes the host wait."""
+    deltas = torch._foreach_sub(values, average)
+    torch._foreach_mul_(deltas, weight)
+    torch._foreach_add_(average, deltas)
+
+
 def flag_nonfinite(tensors: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
     """Sets `found` (a float tensor) to 1 where any of `tensors` holds an inf or a nan, in one
     fused pass: the grad scaler's check, here with a scale `one` of exactly 1.0, so that no

@@ -13,55 +13,25 @@ says running until it is resumed.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime
-import fcntl
 import hashlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
 from dtrain.config import CkptConfig, Config, to_dict, training_part
 from dtrain.core.errors import UserError
-from dtrain.files import names
+from dtrain.files import names, runs_table
 from dtrain.files.store import CHECKPOINTS, LATEST, Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
 from dtrain.process.layout import Layout
 
 FILE = names.RUNS_CSV
-COLUMNS = (
-    "name",
-    "status",
-    "started",
-    "wall_time_s",
-    "attempts",
-    "step",
-    "world_size",
-    "monitor",
-    "best_metric",
-    "best_checkpoint",
-    "git_commit",
-    "config_hash",
-    "mode",
-    "model",
-    "data",
-    "optimizer",
-    "lr",
-    "effective_batch",
-    "epochs",
-    "max_steps",
-    "precision",
-    "seed",
-    "error",
-    "world_size_changes",
-    "slurm_job",
-)
 # What `dtrain runs` shows, and under which heading.
 SHOWN = (
     ("name", "run"),
@@ -184,7 +154,7 @@ class RunRecord:
             "slurm_job": slurm.job_label(os.environ.get("SLURM_JOB_ID")) or "",
         }
         try:
-            with _table(self.path) as rows:
+            with runs_table.locked(self.path) as rows:
                 earlier = rows.get(name)
                 if resuming and earlier is not None:
                     self.earlier_wall_s = _float(earlier.get("wall_time_s"))
@@ -224,7 +194,7 @@ class RunRecord:
         if not self.started or self.ended:
             return
         try:
-            with _table(self.path) as rows:
+            with runs_table.locked(self.path) as rows:
                 row = rows.setdefault(self.name, {"name": self.name})
                 earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
                 row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
@@ -242,7 +212,7 @@ class RunRecord:
     def _write(self, fields: dict[str, str]) -> None:
         wall = self.earlier_wall_s + time.monotonic() - self.attempt_start
         try:
-            with _table(self.path) as rows:
+            with runs_table.locked(self.path) as rows:
                 name = self.name
                 row = rows.setdefault(name, {"name": name})
                 row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
@@ -250,53 +220,18 @@ class RunRecord:
             log.warning(f"run records: cannot update {self.path} ({e})")
 
 
-@contextlib.contextmanager
-def _table(path: str) -> Iterator[dict[str, dict[str, str]]]:
-    """The rows by run name, under an exclusive lock; written back (temp file + rename) on exit."""
-    with open(path + ".lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError as e:  # some cluster file systems (Lustre without -o flock) refuse locks
-            log.warning(f"run records: cannot lock {path}.lock ({e.strerror}); writing without it")
-        rows, extra_columns = _read(path)
-        yield rows
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra_columns], restval="")
-                writer.writeheader()
-                writer.writerows(rows.values())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):  # a failed write leaves the old table as it was
-                os.remove(tmp)
-
-
 def mark_failed(out_dir: str, name: str, error: str) -> None:
     """The row of a run that ended badly without saying so (it failed before its record started,
     or was killed outright) says failed, with `error` unless it named its own."""
-    with _table(os.path.join(out_dir, FILE)) as rows:
+    with runs_table.locked(os.path.join(out_dir, FILE)) as rows:
         row = rows.setdefault(name, {"name": name, "status": "failed"})
         if row.get("status") != "failed" or not row.get("error"):
             row.update(status="failed", error=row.get("error") or error)
 
 
-def _read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """Rows by name, in file order, and columns this version does not know (kept as they are)."""
-    if not os.path.exists(path):
-        return {}, []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        rows = {row["name"]: row for row in reader if row.get("name")}
-        extra = [c for c in reader.fieldnames or () if c not in COLUMNS]
-    return rows, extra
-
-
 def read(out_dir: str) -> dict[str, dict[str, str]]:
     """The rows of `out_dir/runs.csv` by run name, in file order; none without the file."""
-    return _read(os.path.join(out_dir, FILE))[0]
+    return runs_table.read(os.path.join(out_dir, FILE))[0]
 
 
 def _float(text: str | None) -> float:
@@ -313,7 +248,7 @@ def table(out_dir: str) -> str:
             f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
             f"your runs with --out-dir"
         )
-    rows, _ = _read(os.path.join(out_dir, FILE))
+    rows, _ = runs_table.read(os.path.join(out_dir, FILE))
     if not rows:
         return f"no runs recorded in {os.path.join(out_dir, FILE)}"
     lines = []

@@ -10,35 +10,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from dtrain import data, models, parallel
 from dtrain.config import Config
 from dtrain.core.errors import UserError
-from dtrain.core.imports import is_import_path
 from dtrain.process import layout as layout_mod
 from dtrain.process.env import Env, device_index
 from dtrain.process.layout import Layout
-
-# Sizes of the built-in torchvision datasets: (train, val, channels, image size, classes).
-KNOWN_DATASETS = {
-    "cifar10": (50000, 10000, 3, 32, 10),
-    "mnist": (60000, 10000, 1, 28, 10),
-    "fashion_mnist": (60000, 10000, 1, 28, 10),
-}
-
-
-class SizeOnly(Dataset):
-    """Stands in for a dataset of which plan needs the length only."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: object) -> None:
-        raise IndexError("dtrain plan reads no samples")
 
 
 @dataclass
@@ -62,7 +40,7 @@ class ModelFacts:
 def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     layout = launch(cfg, nproc, nnodes)
     device, device_bytes, warnings = device_memory(layout)
-    shapes = dataset_shapes(cfg)
+    shapes = data.sizes(cfg.data, cfg.run.seed, cfg.model.args)
     with torch.device("meta"):
         model = models.build(cfg.model, shapes.info, cfg.run.seed)
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
@@ -86,85 +64,6 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
 
 def param_bytes(modules: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-
-
-def dataset_shapes(cfg: Config) -> data.Datasets:
-    """Datasets of the right lengths whose samples are never read, with what models need (and,
-    for images, the size and transform a run would choose, as a note)."""
-    from dtrain.data import images
-
-    dcfg = cfg.data
-    if is_import_path(
-        dcfg.name
-    ):  # a user's datasets: constructing them is the only way to learn the sizes
-        return data.build(dcfg, cfg.run.seed, cfg.model.args)
-    if dcfg.name == "text":
-        from dtrain.data import text
-
-        seq_len = data.seq_len_of(dcfg, cfg.model.args)
-        train, val = text.window_counts(dcfg, seq_len)
-        return data.Datasets(
-            train=SizeOnly(train),
-            val=SizeOnly(val),
-            info={"vocab_size": text.VOCAB_SIZE, "seq_len": seq_len},
-        )
-    if dcfg.name == "hf":  # rows counted, columns checked, a sample of headers read
-        from dtrain.data import hf
-
-        found = hf.survey(dcfg, cfg.run.seed)
-        return data.Datasets(
-            train=SizeOnly(found.rows[0]),
-            val=SizeOnly(found.rows[1]),
-            info=found.info,
-            notes=found.notes,
-        )
-    if dcfg.name == "tokens":  # windows counted from meta.json and the files' sizes
-        from dtrain.data import tokens
-
-        seq_len = data.seq_len_of(dcfg, cfg.model.args)
-        train, val, info = tokens.window_counts(dcfg, seq_len)
-        return data.Datasets(train=SizeOnly(train), val=SizeOnly(val), info=info)
-    if dcfg.name == "imagefolder":  # listed and a sample of headers read: nothing decoded
-        (train_list, _, _), (val_list, _, _) = (
-            images.list_split(dcfg.root, s) for s in ("train", "val")
-        )
-        skip = dcfg.on_bad_sample == "skip"
-        sizes = (
-            []
-            if dcfg.image_size
-            else (images.header_sizes(train_list, skip) + images.header_sizes(val_list, skip))
-        )
-        size, why = images.choose_size(dcfg, sizes)
-        train, val, channels, classes = (
-            len(train_list.files),
-            len(val_list.files),
-            3,
-            len(train_list.classes),
-        )
-    elif dcfg.name == "synthetic" or dcfg.name in KNOWN_DATASETS:
-        from dtrain.data import synthetic
-
-        known = KNOWN_DATASETS.get(dcfg.name) or (
-            dcfg.synthetic.train_size,
-            dcfg.synthetic.val_size,
-            3,
-            synthetic.IMAGE_SIZE,
-            len(synthetic.CLASSES),
-        )
-        train, val, channels, native_size, classes = known
-        size = dcfg.image_size or native_size
-        why = "their own size" if size == native_size else "data.image_size"
-    else:
-        data.build(dcfg, cfg.run.seed)  # raises the run's own error for an unknown name
-        raise AssertionError("unreachable")
-    kind, kind_why = images.choose_transform(dcfg, size)
-    note = f"images {size}x{size} ({why}), transform {kind} ({kind_why})"
-    return data.Datasets(
-        train=SizeOnly(train),
-        val=SizeOnly(val),
-        info={"num_classes": classes, "in_channels": channels, "image_size": size},
-        notes=[note],
-    )
 
 
 def device_memory(layout: Layout) -> tuple[str, int, list[str]]:

@@ -26,7 +26,6 @@ from dtrain.commands.sweep import space as sweep_space
 from dtrain.commands.sweep.folder import (
     DONE,
     FILE,
-    VERSION,
     foreign_file,
     load_sweep,
     statuses,
@@ -34,6 +33,7 @@ from dtrain.commands.sweep.folder import (
     write,
 )
 from dtrain.core.errors import UserError
+from dtrain.files.sweeps import VERSION
 from dtrain.observe import trackers
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ records (`runs.csv`)."""
 
 from __future__ import annotations
 
-import csv
 import os
 from typing import Any
 
@@ -13,9 +12,9 @@ import yaml
 from dtrain import config
 from dtrain.commands.sweep import space as sweep_space
 from dtrain.core.errors import UserError
-from dtrain.files import names
+from dtrain.files import names, runs_table
+from dtrain.files.sweeps import NotASweep, read_sweep
 
-VERSION = 1
 FILE = names.SWEEP
 DONE = ("finished", "stopped_early")  # statuses a re-run does not launch again
 
@@ -23,20 +22,10 @@ DONE = ("finished", "stopped_early")  # statuses a re-run does not launch again
 def load_sweep(folder: str) -> dict[str, Any] | None:
     """The folder's sweep.yaml as a mapping; None when the folder has none. A file that is not
     a sweep.yaml of this format is a UserError naming it."""
-    path = os.path.join(folder, FILE)
-    if not os.path.isfile(path):
-        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise foreign_file(path, f"cannot be read: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("trials"), list):
-        raise foreign_file(path, "is not a sweep description")
-    if data.get("version") != VERSION:
-        found = data.get("version")
-        raise foreign_file(path, f"has version {found!r}, this dtrain reads {VERSION}")
-    return data
+        return read_sweep(folder)
+    except NotASweep as e:
+        raise foreign_file(e.path, e.why) from None
 
 
 def foreign_file(path: str, why: str) -> UserError:
@@ -48,11 +37,7 @@ def foreign_file(path: str, why: str) -> UserError:
 
 def statuses(folder: str) -> dict[str, dict[str, str]]:
     """The run records of the folder's runs (runs.csv) by run name; {} before any."""
-    path = os.path.join(folder, names.RUNS_CSV)
-    if not os.path.isfile(path):
-        return {}
-    with open(path, newline="", encoding="utf-8") as f:
-        return {row["name"]: row for row in csv.DictReader(f) if row.get("name")}
+    return runs_table.read(os.path.join(folder, names.RUNS_CSV))[0]
 
 
 def trial_overrides(data: dict[str, Any], folder: str, trial: dict[str, Any]) -> list[str]:
