@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from dtrain import config
-from dtrain.config import docs as config_docs
+from dtrain.commands import reference as config_docs
 
 DOCS = REPO / "docs"
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -37,9 +37,10 @@ from dtrain.checkpoint.state import (
     META_FILE,
     load_file,
 )
-from dtrain.config import CkptConfig, training_differences
+from dtrain.config import CkptConfig
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
+from dtrain.files.resume_policy import is_length_change, training_differences
 from dtrain.files.store import (
     LATEST,
     MARKER,
@@ -440,8 +441,6 @@ class Checkpointer:
         self._restore_meta(meta, folder)
 
     def _check_config(self, meta: dict[str, Any], folder: str) -> None:
-        from dtrain.config import is_length_change
-
         changes = training_differences(meta.get("config", {}), self.config)
         # A longer or shorter run trains the same thing: the run applies it (and says what the
         # schedule does, ckpt.on_length_change); only the other changes need `allow`.

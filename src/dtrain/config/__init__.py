@@ -43,7 +43,6 @@ from dtrain.core.errors import UserError
 # re-exported here, so `dtrain.config` stays the one place to import the config from.
 __all__ = [
     "DEFAULT_RUN_NAME",
-    "NOT_TRAINING",
     "CkptConfig",
     "Config",
     "DDPConfig",
@@ -68,12 +67,9 @@ __all__ = [
     "dump",
     "flatten",
     "from_dict",
-    "is_training_key",
     "load",
     "parse_override",
     "to_dict",
-    "training_differences",
-    "training_part",
 ]
 
 
@@ -367,56 +363,6 @@ def from_dict(data: dict) -> Config:
 
 def dump(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-# Keys that do not change what a run trains: where it runs and writes, how it logs, checkpoints
-# and communicates, and how fast its data loads. A resumed run may change them freely; any other
-# change needs ckpt.resume_config_change=allow.
-NOT_TRAINING = (
-    "run.name",
-    "run.out_dir",
-    "run.private",
-    "log.",
-    "ckpt.",
-    "dist.",
-    "slurm.",
-    "data.num_workers",
-    "data.persistent_workers",
-    # When to stop is decided anew from the counts in the checkpoint: a resume may change it.
-    "train.early_stop.",
-    # An average of the weights never changes the weights trained: it may be switched on or off.
-    "train.ema.",
-)
-
-
-def is_training_key(key: str) -> bool:
-    return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_TRAINING)
-
-
-def training_part(data: dict) -> dict[str, Any]:
-    """The flattened config without the keys of NOT_TRAINING."""
-    return {k: v for k, v in flatten(data).items() if is_training_key(k)}
-
-
-# Keys that set how long a run trains, not what it learns: a resume may change them without
-# ckpt.resume_config_change=allow ("train 10 epochs more"); ckpt.on_length_change says what the
-# learning-rate schedule does then.
-LENGTH_KEYS = ("train.epochs", "train.max_steps")
-
-
-def is_length_change(change: str) -> bool:
-    """Whether a `training_differences` line is about the run's length."""
-    return change.split(":", 1)[0] in LENGTH_KEYS
-
-
-def training_differences(saved: dict, current: dict) -> list[str]:
-    """'key: old -> new' for every training key that both configs have and that differs."""
-    a, b = training_part(saved), training_part(current)
-    return [
-        f"{key}: {a[key]!r} -> {b[key]!r}"
-        for key in sorted(a.keys() & b.keys())
-        if a[key] != b[key]
-    ]
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:

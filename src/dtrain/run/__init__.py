@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, data, models, parallel, tasks
-from dtrain.config import DEFAULT_RUN_NAME, Config, dump, is_length_change, to_dict
+from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.data.sampler import epoch_steps
 from dtrain.files import names
+from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights, monitored_metric

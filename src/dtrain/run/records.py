@@ -23,9 +23,10 @@ from typing import Any
 
 import yaml
 
-from dtrain.config import CkptConfig, Config, to_dict, training_part
+from dtrain.config import CkptConfig, Config, to_dict
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
+from dtrain.files.resume_policy import training_part
 from dtrain.files.store import CHECKPOINTS, LATEST, Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
@@ -53,7 +54,7 @@ SHOWN = (
 
 def config_hash(cfg: Config) -> str:
     """Equal for runs that train the same thing: the resolved config without the keys that do
-    not change what is trained (config.NOT_TRAINING: name, place, logging, checkpoints, ...)."""
+    not change what is trained (files.resume_policy: name, place, logging, checkpoints, ...)."""
     data = training_part(to_dict(cfg))
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -1,7 +1,7 @@
 """The configuration reference (docs/configuration.md), generated from the schema's own docs.
 
-    python -m dtrain.config.docs            # rewrite docs/configuration.md
-    python -m dtrain.config.docs --check    # exit 1 if the file differs from the schema
+    python -m dtrain.commands.reference            # rewrite docs/configuration.md
+    python -m dtrain.commands.reference --check    # exit 1 if the file differs from the schema
 
 Each key's row comes from its field in `schema` (the `data` section: `data`): the
 `doc=` sentence, the type, the default, and the allowed values or range check; each section's
@@ -21,10 +21,11 @@ from typing import Any, Union
 
 import yaml
 
-from dtrain.config import NOT_TRAINING, Config, registry
+from dtrain.config import Config, registry
 from dtrain.config import schema as config_schema
+from dtrain.files.resume_policy import NOT_TRAINING
 
-COMMAND = "python -m dtrain.config.docs"
+COMMAND = "python -m dtrain.commands.reference"
 DEFAULT_PATH = Path("docs") / "configuration.md"
 
 _TYPE_NAMES = {

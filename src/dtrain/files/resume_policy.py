@@ -1,0 +1,58 @@
+"""Which config keys a resumed checkpoint may change: the checkpoint's policy, in one place
+(read by resuming, by the run record's config hash, by `dtrain runs` and by the configuration
+reference). No torch: `dtrain runs` reads it too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtrain.config import flatten
+
+# Keys that do not change what a run trains: where it runs and writes, how it logs, checkpoints
+# and communicates, and how fast its data loads. A resumed run may change them freely; any other
+# change needs ckpt.resume_config_change=allow.
+NOT_TRAINING = (
+    "run.name",
+    "run.out_dir",
+    "run.private",
+    "log.",
+    "ckpt.",
+    "dist.",
+    "slurm.",
+    "data.num_workers",
+    "data.persistent_workers",
+    # When to stop is decided anew from the counts in the checkpoint: a resume may change it.
+    "train.early_stop.",
+    # An average of the weights never changes the weights trained: it may be switched on or off.
+    "train.ema.",
+)
+
+
+def is_training_key(key: str) -> bool:
+    return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_TRAINING)
+
+
+def training_part(data: dict) -> dict[str, Any]:
+    """The flattened config without the keys of NOT_TRAINING."""
+    return {k: v for k, v in flatten(data).items() if is_training_key(k)}
+
+
+# Keys that set how long a run trains, not what it learns: a resume may change them without
+# ckpt.resume_config_change=allow ("train 10 epochs more"); ckpt.on_length_change says what the
+# learning-rate schedule does then.
+LENGTH_KEYS = ("train.epochs", "train.max_steps")
+
+
+def is_length_change(change: str) -> bool:
+    """Whether a `training_differences` line is about the run's length."""
+    return change.split(":", 1)[0] in LENGTH_KEYS
+
+
+def training_differences(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every training key that both configs have and that differs."""
+    a, b = training_part(saved), training_part(current)
+    return [
+        f"{key}: {a[key]!r} -> {b[key]!r}"
+        for key in sorted(a.keys() & b.keys())
+        if a[key] != b[key]
+    ]
