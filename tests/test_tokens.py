@@ -5,6 +5,7 @@ Token folders are written here with numpy, as any tokenizer would write them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -19,6 +20,7 @@ from conftest import descendants, dtrain, kill_then_resume, latest, launch, star
 from dtrain import config
 from dtrain.commands.plan import command as plan
 from dtrain.config import DataConfig
+from dtrain.core.errors import UserError
 from dtrain.data import build, tokens
 from dtrain.data import sampler as sampler_mod
 from dtrain.data.sampler import ResumableSampler, SeededBijection
@@ -492,3 +494,21 @@ def test_the_shipped_config_takes_its_vocabulary_from_the_token_folder(tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"windows of {shipped.model.args['seq_len'] + 1} tokens (vocabulary {VOCAB})" \
         in result.stdout
+
+
+def test_a_folder_of_validation_tokens_alone_builds_for_evaluation(tmp_path: Path) -> None:
+    """dtrain eval builds the validation split alone (data.build(val_only=True)): a folder
+    without train.bin can be evaluated; training still needs it."""
+    from dtrain import data
+
+    whole = token_folder(tmp_path / "whole")
+    val_only = token_folder(tmp_path / "val_only")
+    (val_only / "train.bin").unlink()
+    cfg = data_config(["data.name=tokens", f"data.root={val_only}", "data.tokens.seq_len=64"])
+    with pytest.raises(UserError, match=r"no train\.bin \(or train_\*\.bin shards\) in"):
+        data.build(cfg, 0)
+    built = data.build(cfg, 0, val_only=True)
+    full = data.build(dataclasses.replace(cfg, root=str(whole)), 0)
+    assert len(built.train) == 0 and len(built.val) == len(full.val) == 3000 // 64
+    assert built.info == full.info
+    assert all(torch.equal(built.val[i][0], full.val[i][0]) for i in (0, len(full.val) - 1))

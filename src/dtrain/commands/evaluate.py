@@ -4,11 +4,11 @@
                 [--config X] [section.key=value ...]
 
 The run's pieces are built from `DIR/config.yaml` (with the keys of `--config X` and the
-overrides on top) by the training code itself (`run.build_pieces`); the checkpoint's model
-weights are loaded the way a resume loads them (every file read is checked against the marker's
-digests; a sharded checkpoint is resharded by DCP to this launch's world size); and
-training's own evaluation (`loop.evaluation.evaluate`) computes the metrics, each validation
-sample counted once over all ranks.
+overrides on top) by the training code itself (`run.pieces`, the validation split alone); the
+checkpoint's model weights are loaded the way a resume loads them (every file read is checked
+against the marker's digests; a sharded checkpoint is resharded by DCP to this launch's world
+size); and training's own evaluation (`loop.evaluation.evaluate`) computes the metrics, each
+validation sample counted once over all ranks.
 
 Read-only: the run's lock is not taken (the training job may hold it), the checkpoint store is
 only listed (never `prepare`d, which moves folders), and nothing in DIR is written but
@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from dtrain import config, data, run
+from dtrain import config, data
 from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
 from dtrain.checkpoint.state import (
     FULL_FILE,
@@ -48,6 +48,7 @@ from dtrain.process import dist
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout
+from dtrain.run.pieces import EvalPieces, build_eval_pieces
 
 EVALS = names.EVALS
 
@@ -230,7 +231,7 @@ def check_ema(chosen: Chosen) -> None:
 # The evaluation training runs
 
 
-def evaluate(cfg: Config, layout: Layout, pieces: run.Pieces) -> dict[str, float]:
+def evaluate(cfg: Config, layout: Layout, pieces: EvalPieces) -> dict[str, float]:
     """Training's own evaluation (`loop.evaluation`) of the loaded model. A checkpoint's
     buffers are the same on every rank already (averaged before the save): they are not
     averaged again, which could only add rounding at some world sizes."""
@@ -238,8 +239,8 @@ def evaluate(cfg: Config, layout: Layout, pieces: run.Pieces) -> dict[str, float
     return evaluation.evaluate(
         pieces.model,
         pieces.task,
-        pieces.loaders.val,
-        pieces.loaders.val_sampler.valid_count,
+        pieces.val_loader,
+        pieces.val_sampler.valid_count,
         device,
         lambda batch: data.to_device(batch, device, on_device, cfg.model.channels_last),
         pieces.precision.autocast,
@@ -328,14 +329,14 @@ def main(args: argparse.Namespace) -> int:
     cfg, layout = eval_layout(cfg, env)
     dist.init(layout, cfg.dist)
     setup_logging(dist.rank(), cfg.log.all_ranks)
-    loaders: data.Loaders | None = None
+    val_loader: Any = None
     try:
         # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
         chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg))
         if args.weights == "ema":
             dist.on_main(lambda: check_ema(chosen))
-        pieces = run.build_pieces(cfg, layout, StartupClock())
-        loaders = pieces.loaders
+        pieces = build_eval_pieces(cfg, layout, StartupClock())
+        val_loader = pieces.val_loader
         load_weights(pieces.model, chosen)
         if args.weights == "ema":
             from dtrain.loop import ema
@@ -374,5 +375,5 @@ def main(args: argparse.Namespace) -> int:
         dist.announce_abort(str(e))  # ranks left waiting in a collective stop with this line
         raise
     finally:
-        data.close_loaders(loaders)
+        data.close_loader(val_loader)
         dist.shutdown()

@@ -124,8 +124,8 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
 
 
 def _differing_keys(configs: list[dict[str, Any]]) -> list[str]:
-    """The training keys (files.resume_policy.training_part) whose values are not the same in every run:
-    the columns that tell runs apart when no sweep.yaml names them."""
+    """The training keys (resume_policy.training_part) whose values are not the same in every
+    run: the columns that tell runs apart when no sweep.yaml names them."""
     from dtrain.files.resume_policy import training_part
 
     flat = [training_part(c) for c in configs if c]

@@ -10,6 +10,7 @@ builders), `loaders` (the `Datasets` and `Loaders` types, collate, device).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from dtrain.config import DataConfig, registry
 from dtrain.data.images import ImageDataset, Normalize, Transform
@@ -17,10 +18,12 @@ from dtrain.data.loaders import (
     Datasets,
     Loaders,
     Stacked,
+    close_loader,
     close_loaders,
     collate,
     loaders,
     to_device,
+    validation_loader,
     workers_for,
 )
 from dtrain.data.sampler import EvalSampler, ResumableSampler, sample_random
@@ -32,6 +35,8 @@ __all__ = [
     "build",
     "loaders",
     "close_loaders",
+    "close_loader",
+    "validation_loader",
     "collate",
     "to_device",
     "Stacked",
@@ -46,9 +51,18 @@ __all__ = [
 ]
 
 
-def build(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
-    """The train and validation datasets named by `data.name` (see registry.DATASETS)."""
-    return registry.DATASETS.builder(cfg.name)(_settled(cfg, model_args), seed)
+def build(
+    cfg: DataConfig, seed: int, model_args: dict | None = None, val_only: bool = False
+) -> Datasets:
+    """The train and validation datasets named by `data.name` (see registry.DATASETS).
+    `val_only` (evaluation): a builder that can (an image folder, token files) reads the
+    validation split alone, so that a dataset of that split only can be evaluated; the others
+    build both, of which evaluation reads one."""
+    builder = registry.DATASETS.builder(cfg.name)
+    settled = _settled(cfg, model_args)
+    if val_only and "val_only" in inspect.signature(builder).parameters:
+        return builder(settled, seed, val_only=True)
+    return builder(settled, seed)
 
 
 def sizes(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:

@@ -28,7 +28,7 @@ from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
 from dtrain.data import synthetic
 from dtrain.data.decode import BadSample, SkipsBadSamples, bad_sample, decode
-from dtrain.data.loaders import Datasets, Stacked
+from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index, sample_random
 from dtrain.process import dist
 
@@ -345,11 +345,12 @@ def choose_transform(cfg: DataConfig, size: int) -> tuple[str, str]:
 # Building the datasets
 
 
-def build(cfg: DataConfig, seed: int) -> Datasets:
+def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
     """The train and validation sets of a built-in image dataset or an image folder, what models
-    need to know, lines for the banner, and the normalisation done on the device."""
+    need to know, lines for the banner, and the normalisation done on the device. `val_only`
+    (evaluation): an image folder's val/ alone (the built-in sets come whole)."""
     if cfg.name == "imagefolder":
-        return _image_folder(cfg, seed)
+        return _image_folder(cfg, seed, val_only)
     loaders = {
         "synthetic": _synthetic,
         "cifar10": _cifar10,
@@ -370,54 +371,61 @@ def build(cfg: DataConfig, seed: int) -> Datasets:
     return Datasets(train, val, info, notes, Normalize(*norm))
 
 
-def _image_folder(cfg: DataConfig, seed: int) -> Datasets:
+def _image_folder(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
     """Rank 0 lists the folder and reads a sample of headers; every rank gets its result (ranks
-    never each walk a million files)."""
+    never each walk a million files). `val_only` (evaluation): val/ alone, train/ need not
+    exist."""
+    splits = ("val",) if val_only else ("train", "val")
 
-    def survey() -> tuple[Listing, Listing, list[str], int, str]:
-        (train, other, empty), (val, val_other, val_empty) = (
-            list_split(cfg.root, s) for s in ("train", "val")
-        )
-        if train.classes != val.classes:
+    def survey() -> tuple[dict[str, Listing], list[str], int, str]:
+        listed = {split: list_split(cfg.root, split) for split in splits}
+        found = {split: listing for split, (listing, _, _) in listed.items()}
+        if not val_only and found["train"].classes != found["val"].classes:
             raise UserError(
                 f"data error: {cfg.root}: train and val class folders differ "
-                f"({train.classes} vs {val.classes})"
+                f"({found['train'].classes} vs {found['val'].classes})"
             )
-        if not train.files or not val.files:
-            split = "train" if not train.files else "val"
-            raise UserError(
-                f"data error: {os.path.join(cfg.root, split)} has no images in its class folders"
-            )
-        notes = []
-        for split, files in (("train", other), ("val", val_other)):
-            if files:
-                notes.append(
-                    f"image folder {split}/: left out {len(files)} file(s) that are not "
-                    f"images (e.g. {files[0]})"
+        for split, listing in found.items():
+            if not listing.files:
+                raise UserError(
+                    f"data error: {os.path.join(cfg.root, split)} has no images in its class "
+                    f"folders"
                 )
-        for split, names in (("train", empty), ("val", val_empty)):
-            if names:
+        notes = []
+        for split, (_, other, _) in listed.items():
+            if other:
                 notes.append(
-                    f"image folder {split}/: class folder(s) with no images: {', '.join(names[:5])}"
+                    f"image folder {split}/: left out {len(other)} file(s) that are not "
+                    f"images (e.g. {other[0]})"
+                )
+        for split, (_, _, empty) in listed.items():
+            if empty:
+                notes.append(
+                    f"image folder {split}/: class folder(s) with no images: {', '.join(empty[:5])}"
                 )
         skip = cfg.on_bad_sample == "skip"
-        sizes = [] if cfg.image_size else header_sizes(train, skip) + header_sizes(val, skip)
+        sizes = [] if cfg.image_size else [s for f in found.values() for s in header_sizes(f, skip)]
         size, why = choose_size(cfg, sizes)
-        return train, val, notes, size, why
+        return found, notes, size, why
 
-    train_list, val_list, notes, size, why = dist.on_main(survey)
+    found, notes, size, why = dist.on_main(survey)
     kind, kind_why = choose_transform(cfg, size)
     skip = cfg.on_bad_sample == "skip"
-    train = ImageFolderSet(train_list, Transform(kind, size, cfg.augment, seed), skip)
-    val = ImageFolderSet(val_list, Transform(kind, size, False, seed), skip)
+    val = ImageFolderSet(found["val"], Transform(kind, size, False, seed), skip)
+    if val_only:
+        train: Any = NO_SAMPLES
+        counts = f"{len(val)} val images"
+    else:
+        train = ImageFolderSet(found["train"], Transform(kind, size, cfg.augment, seed), skip)
+        counts = f"{len(train)} train / {len(val)} val images"
+    classes = found["val"].classes
     notes.append(
-        f"image folder {cfg.root}: {len(train)} train / {len(val)} val images in "
-        f"{len(train_list.classes)} classes (listed once, decoded per sample)"
+        f"image folder {cfg.root}: {counts} in {len(classes)} classes (listed once, decoded per "
+        f"sample)"
     )
-    notes.append(
-        f"images {size}x{size} ({why}), transform {kind}: {train.transform.describe()} ({kind_why})"
-    )
-    info = {"num_classes": len(train_list.classes), "in_channels": 3, "image_size": size}
+    described = (train if not val_only else val).transform.describe()
+    notes.append(f"images {size}x{size} ({why}), transform {kind}: {described} ({kind_why})")
+    info = {"num_classes": len(classes), "in_channels": 3, "image_size": size}
     return Datasets(train, val, info, notes, Normalize(*IMAGENET_NORM))
 
 

@@ -26,6 +26,19 @@ class SizedDataset(Protocol):
     def __len__(self) -> int: ...
 
 
+class NoSamples:
+    """The training set of a dataset built for evaluation only (`data.build(val_only=True)`)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, index: object) -> None:
+        raise IndexError("a dataset built for evaluation has no training samples")
+
+
+NO_SAMPLES = NoSamples()
+
+
 @dataclass
 class Datasets:
     """What a dataset builder (registry.DATASETS) returns."""
@@ -134,17 +147,24 @@ def workers_for(cfg: DataConfig, local_world_size: int) -> tuple[int, str]:
 
 
 def close_loaders(loaders: Loaders | None) -> None:
-    """Stop the persistent worker processes of the loaders now: the launcher leaves with
-    os._exit, which skips the interpreter's clean-up that would otherwise stop them. A worker
-    that a signal already ended (torchrun stopping every worker after another rank failed) makes
-    the loader raise while it is stopped: that must not replace the error the run ends with."""
+    """Stop the persistent worker processes of the loaders now (`close_loader`)."""
     if loaders is None:
         return
     for loader in (loaders.train, loaders.val):
-        try:
-            compat.shutdown_workers(loader)
-        except RuntimeError as e:  # "DataLoader worker (pid N) is killed by signal: ..."
-            log.debug(f"stopping the loader workers: {e}")
+        close_loader(loader)
+
+
+def close_loader(loader: DataLoader | None) -> None:
+    """Stop a loader's persistent worker processes now: the launcher leaves with os._exit,
+    which skips the interpreter's clean-up that would otherwise stop them. A worker that a
+    signal already ended (torchrun stopping every worker after another rank failed) makes the
+    loader raise while it is stopped: that must not replace the error the run ends with."""
+    if loader is None:
+        return
+    try:
+        compat.shutdown_workers(loader)
+    except RuntimeError as e:  # "DataLoader worker (pid N) is killed by signal: ..."
+        log.debug(f"stopping the loader workers: {e}")
 
 
 class _LoaderOptions(TypedDict):
@@ -183,19 +203,10 @@ def loaders(
             f"one step needs ({world_size} ranks x batch {cfg.batch_size}); lower "
             f"data.batch_size or add data"
         )
-    if len(val_set) == 0:
-        raise UserError("data error: the validation set is empty")
     train_sampler = ResumableSampler(
         len(train_set), rank, world_size, seed, shuffle, cfg.drop_last, cfg.batch_size
     )
-    val_sampler = EvalSampler(len(val_set), rank, world_size)
-    common = _LoaderOptions(
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        collate_fn=collate,
-        persistent_workers=workers > 0 and cfg.persistent_workers,
-        worker_init_fn=rng.seed_loader_worker if workers else None,
-    )
+    common = _options(cfg, device, workers)
     generator = torch.Generator().manual_seed(seed + rank)
     train_loader = DataLoader(
         train_set,
@@ -208,7 +219,34 @@ def loaders(
         generator=generator,
         **common,
     )
-    val_loader = DataLoader(
-        val_set, batch_size=cfg.eval_batch_size or cfg.batch_size, sampler=val_sampler, **common
+    val_loader, val_sampler = validation_loader(
+        val_set, cfg=cfg, rank=rank, world_size=world_size, device=device, workers=workers
     )
     return Loaders(train_loader, train_sampler, val_loader, val_sampler)
+
+
+def validation_loader(
+    val_set: Any, *, cfg: DataConfig, rank: int, world_size: int, device: torch.device, workers: int
+) -> tuple[DataLoader, EvalSampler]:
+    """The validation loader and its sampler (each sample once over all ranks): training's, and
+    what evaluation alone builds."""
+    if len(val_set) == 0:
+        raise UserError("data error: the validation set is empty")
+    sampler = EvalSampler(len(val_set), rank, world_size)
+    loader = DataLoader(
+        val_set,
+        batch_size=cfg.eval_batch_size or cfg.batch_size,
+        sampler=sampler,
+        **_options(cfg, device, workers),
+    )
+    return loader, sampler
+
+
+def _options(cfg: DataConfig, device: torch.device, workers: int) -> _LoaderOptions:
+    return _LoaderOptions(
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        collate_fn=collate,
+        persistent_workers=workers > 0 and cfg.persistent_workers,
+        worker_init_fn=rng.seed_loader_worker if workers else None,
+    )

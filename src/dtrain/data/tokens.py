@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
 from dtrain.data.decode import BadSample
-from dtrain.data.loaders import Datasets, Stacked
+from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.files import names
 from dtrain.process import dist
@@ -286,15 +286,16 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def read_folder(cfg: DataConfig) -> Folder:
-    """The token folder at data.root, checked from its metadata and file sizes (no tokens read)."""
+def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> Folder:
+    """The token folder at data.root, checked from its metadata and file sizes (no tokens read);
+    its `splits` only (evaluation reads val alone)."""
     root, keys = cfg.root, cfg.tokens
     if not os.path.isdir(root):
         raise UserError(
             f"data error: token folder not found at '{root}': set data.root to a folder of "
             f"train.bin and val.bin (e.g. made by dtrain tokenize)"
         )
-    files = {split: _split_files(root, split) for split in names.TOKEN_SPLITS}
+    files = {split: _split_files(root, split) for split in splits}
     meta_path = os.path.join(root, names.TOKEN_META)
     if os.path.isfile(meta_path):
         meta = _read_meta(meta_path)
@@ -353,29 +354,37 @@ def enough_windows(windows: Windows, what: str, seq_len: int, key: str) -> None:
         )
 
 
-def build(cfg: DataConfig, seed: int) -> Datasets:
-    """Train and validation windows of the token folder at data.root. The windows' order is the
-    sampler's: `seed` is not used."""
-    folder = read_folder(cfg)
+def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
+    """Train and validation windows of the token folder at data.root (`val_only`, evaluation:
+    validation windows alone; no train files needed). The windows' order is the sampler's:
+    `seed` is not used."""
+    folder = read_folder(cfg, ("val",) if val_only else names.TOKEN_SPLITS)
     seq_len = cfg.tokens.seq_len
     assert seq_len is not None, "data.build settles data.tokens.seq_len"
     stride = cfg.tokens.stride or seq_len
     spans = folder.spans
     for span in spans.values():
         check_ids(span, folder.vocab_size)
-    train = Windows(spans["train"], seq_len, stride, folder.vocab_size)
     val = Windows(spans["val"], seq_len, seq_len, folder.vocab_size)
-    for split, windows in (("train", train), ("val", val)):
-        enough_windows(windows, ", ".join(folder.files[split]), seq_len, "data.tokens.seq_len")
+    train: Any = NO_SAMPLES
+    if not val_only:
+        train = Windows(spans["train"], seq_len, stride, folder.vocab_size)
+        enough_windows(train, ", ".join(folder.files["train"]), seq_len, "data.tokens.seq_len")
+    enough_windows(val, ", ".join(folder.files["val"]), seq_len, "data.tokens.seq_len")
     per_token = folder.bytes_per_token["val"]
     bytes_note = (
         f"{per_token:.3f} bytes of text per validation token"
         if per_token
         else "no bytes per token in meta.json: bits per byte not reported"
     )
+    training = (
+        ""
+        if val_only
+        else f"{len(train)} training windows of {seq_len + 1} tokens (stride {stride}), "
+    )
     banner = (
-        f"tokens from {cfg.root} ({spans['train'].dtype.name}, vocabulary "
-        f"{folder.vocab_size}, from {folder.described_by}): {len(train)} training windows of "
-        f"{seq_len + 1} tokens (stride {stride}), {len(val)} validation windows; {bytes_note}"
+        f"tokens from {cfg.root} ({spans['val'].dtype.name}, vocabulary "
+        f"{folder.vocab_size}, from {folder.described_by}): {training}{len(val)} validation "
+        f"windows; {bytes_note}"
     )
     return Datasets(train, val, folder.info(seq_len), [banner])

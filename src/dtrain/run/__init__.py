@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtrain import checkpoint, data, models, parallel, tasks
+from dtrain import checkpoint, data, models
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
-from dtrain.data.sampler import epoch_steps
 from dtrain.files import names
 from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store
 from dtrain.loop import optim
-from dtrain.loop.ema import EmaWeights, monitored_metric
+from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Callbacks, Trainer
 from dtrain.observe import (
@@ -37,13 +35,12 @@ from dtrain.observe import (
     setup_logging,
 )
 from dtrain.observe.trackers import check_installed as check_trackers
-from dtrain.parallel.precision import Precision
-from dtrain.process import compat, dist, rng, slurm
+from dtrain.process import compat, dist, slurm
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout, Steps
 from dtrain.run import records
-from dtrain.run.weights import StartingWeights
+from dtrain.run.pieces import Pieces, build_pieces
 
 
 def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> Config:
@@ -127,21 +124,6 @@ def state_bytes(
     return totals
 
 
-@dataclass
-class Pieces:
-    """What a run trains, built and checked before anything is written."""
-
-    datasets: data.Datasets
-    loaders: data.Loaders
-    steps: Steps
-    task: tasks.Task
-    model: nn.Module  # wrapped for the parallel mode
-    precision: Precision  # its dtype, autocast, FSDP policy and (fp16) grad scaler
-    num_params: int
-    notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
-    starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
-
-
 def train(cfg: Config, config_path: str | None = None) -> str:
     """Run training; returns 'finished', 'preempted' or 'stopped_early' (train.early_stop).
     Raises UserError for bad input."""
@@ -190,75 +172,6 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         signals.uninstall()
         lock.release()
         dist.shutdown()
-
-
-def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
-    """Data, task and model, wrapped for the parallel mode, and the task tried once on a
-    validation batch: a task or model that cannot work ends here, with nothing written."""
-    _set_torch_flags(cfg)
-    rng.reseed(cfg.run.seed)
-    overfit = cfg.train.overfit_batches
-    data_cfg = cfg.data
-    if overfit:  # overfitting a fixed set of batches: the same samples every time
-        data_cfg = dataclasses.replace(data_cfg, augment=False)
-    datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
-    workers, why = data.workers_for(data_cfg, layout.ranks_per_node)
-    notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
-    loaders = data.loaders(
-        datasets.train,
-        datasets.val,
-        cfg=data_cfg,
-        seed=cfg.run.seed,
-        rank=dist.rank(),
-        world_size=layout.world_size,
-        device=layout.device,
-        overfit_batches=overfit,
-        workers=workers,
-    )
-    if overfit:
-        notes.append(
-            f"overfit check: the same {overfit} batch(es) per rank every epoch, "
-            f"augmentation off; the training loss should fall towards 0"
-        )
-    steps = epoch_steps(layout, cfg, len(datasets.train))
-    task = tasks.build(cfg.task, datasets.info)
-    clock.mark("data")
-    precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
-    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
-    notes += model_notes
-    clock.mark("model and wrap")
-    _check_task(cfg, layout, task, wrapped, precision, loaders.val, datasets.on_device)
-    if layout.is_fsdp:
-        parallel.reshard(wrapped)
-    starting = (
-        StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
-    )
-    clock.mark("task check")
-    return Pieces(datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting)
-
-
-def _check_task(
-    cfg: Config,
-    layout: Layout,
-    task: tasks.Task,
-    model: nn.Module,
-    precision: Precision,
-    val_loader: Any,
-    on_device: Any,
-) -> None:
-    """The task once on the first validation batch, on every rank; the first problem any rank
-    finds ends every rank with the same line (exit 2)."""
-    batch = data.to_device(
-        next(iter(val_loader)), layout.device, on_device, cfg.model.channels_last
-    )
-    try:
-        with precision.autocast():
-            problem = tasks.check(task, model, batch, monitored_metric(cfg))
-    except UserError as e:
-        problem = str(e)
-    problems = [p for p in dist.gather_objects(problem) if p]
-    if problems:
-        raise UserError(problems[0])
 
 
 def _train(
@@ -449,14 +362,6 @@ def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
             f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
             f"backend said: {first_line(e)}"
         ) from e
-
-
-def _set_torch_flags(cfg: Config) -> None:
-    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
 
 
 def _log_state_bytes(

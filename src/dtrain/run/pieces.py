@@ -1,0 +1,166 @@
+"""A run's pieces, built and checked before anything is written: data, task, the model in its
+precision and parallel mode, and the starting weights; for `dtrain eval`, the validation split
+alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import data, parallel, tasks
+from dtrain.config import Config
+from dtrain.core.errors import UserError
+from dtrain.data.sampler import epoch_steps
+from dtrain.loop.ema import monitored_metric
+from dtrain.observe import StartupClock
+from dtrain.parallel.precision import Precision
+from dtrain.process import dist, rng
+from dtrain.process.layout import Layout, Steps
+from dtrain.run.weights import StartingWeights
+
+
+@dataclass
+class Pieces:
+    """What a run trains, built and checked before anything is written."""
+
+    datasets: data.Datasets
+    loaders: data.Loaders
+    steps: Steps
+    task: tasks.Task
+    model: nn.Module  # wrapped for the parallel mode
+    precision: Precision  # its dtype, autocast, FSDP policy and (fp16) grad scaler
+    num_params: int
+    notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
+    starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
+
+
+@dataclass
+class EvalPieces:
+    """What an evaluation of a run's checkpoint reads: its validation split, task and model."""
+
+    datasets: data.Datasets  # the validation split (and a training split only where built)
+    val_loader: Any
+    val_sampler: data.EvalSampler
+    task: tasks.Task
+    model: nn.Module  # wrapped for the parallel mode
+    precision: Precision
+    notes: list[str]
+
+
+def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
+    """Data, task and model, wrapped for the parallel mode, and the task tried once on a
+    validation batch: a task or model that cannot work ends here, with nothing written."""
+    set_torch_flags(cfg)
+    rng.reseed(cfg.run.seed)
+    overfit = cfg.train.overfit_batches
+    data_cfg = cfg.data
+    if overfit:  # overfitting a fixed set of batches: the same samples every time
+        data_cfg = dataclasses.replace(data_cfg, augment=False)
+    datasets = data.build(data_cfg, cfg.run.seed, cfg.model.args)
+    workers, why = data.workers_for(data_cfg, layout.ranks_per_node)
+    notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
+    loaders = data.loaders(
+        datasets.train,
+        datasets.val,
+        cfg=data_cfg,
+        seed=cfg.run.seed,
+        rank=dist.rank(),
+        world_size=layout.world_size,
+        device=layout.device,
+        overfit_batches=overfit,
+        workers=workers,
+    )
+    if overfit:
+        notes.append(
+            f"overfit check: the same {overfit} batch(es) per rank every epoch, "
+            f"augmentation off; the training loss should fall towards 0"
+        )
+    steps = epoch_steps(layout, cfg, len(datasets.train))
+    clock.mark("data")
+    task, wrapped, precision, num_params = _model_and_task(
+        cfg, layout, datasets, loaders.val, notes, clock
+    )
+    starting = (
+        StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
+    )
+    clock.mark("task check")
+    return Pieces(datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting)
+
+
+def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalPieces:
+    """What `dtrain eval` needs of a run: the validation split alone (a dataset of that split
+    only can be evaluated), the task and the model, built and checked as training builds them."""
+    set_torch_flags(cfg)
+    rng.reseed(cfg.run.seed)
+    datasets = data.build(cfg.data, cfg.run.seed, cfg.model.args, val_only=True)
+    workers, why = data.workers_for(cfg.data, layout.ranks_per_node)
+    notes = [*datasets.notes, f"data.num_workers {workers} ({why})"]
+    val_loader, val_sampler = data.validation_loader(
+        datasets.val,
+        cfg=cfg.data,
+        rank=dist.rank(),
+        world_size=layout.world_size,
+        device=layout.device,
+        workers=workers,
+    )
+    clock.mark("data")
+    task, model, precision, _ = _model_and_task(cfg, layout, datasets, val_loader, notes, clock)
+    return EvalPieces(datasets, val_loader, val_sampler, task, model, precision, notes)
+
+
+def _model_and_task(
+    cfg: Config,
+    layout: Layout,
+    datasets: data.Datasets,
+    val_loader: Any,
+    notes: list[str],
+    clock: StartupClock,
+) -> tuple[tasks.Task, nn.Module, Precision, int]:
+    """The task, the model wrapped in the run's precision and parallel mode (its number of
+    parameters; how it was built joins `notes`), checked once on a validation batch."""
+    task = tasks.build(cfg.task, datasets.info)
+    precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
+    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
+    notes += model_notes
+    clock.mark("model and wrap")
+    _check_task(cfg, layout, task, wrapped, precision, val_loader, datasets.on_device)
+    if layout.is_fsdp:
+        parallel.reshard(wrapped)
+    return task, wrapped, precision, num_params
+
+
+def _check_task(
+    cfg: Config,
+    layout: Layout,
+    task: tasks.Task,
+    model: nn.Module,
+    precision: Precision,
+    val_loader: Any,
+    on_device: Any,
+) -> None:
+    """The task once on the first validation batch, on every rank; the first problem any rank
+    finds ends every rank with the same line (exit 2)."""
+    batch = data.to_device(
+        next(iter(val_loader)), layout.device, on_device, cfg.model.channels_last
+    )
+    try:
+        with precision.autocast():
+            problem = tasks.check(task, model, batch, monitored_metric(cfg))
+    except UserError as e:
+        problem = str(e)
+    problems = [p for p in dist.gather_objects(problem) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+def set_torch_flags(cfg: Config) -> None:
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.autograd.set_detect_anomaly(cfg.train.detect_anomaly)
