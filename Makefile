@@ -1,12 +1,16 @@
 # make train: set up .venv if needed, then the main job (2-rank DDP on the default config).
 # make test:  the same set-up, then lint, type and layer checks (make lint), then the whole test
-#             suite, with its 25 slowest tests last.
+#             suite on TEST_WORKERS pytest workers (each file on one; the SLURM and multi-host
+#             files on one between them), with its 25 slowest tests last.
 # make bench: benchmarks against a plain PyTorch loop (figures, never pass/fail).
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 2
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
+# Three, on two cores: a third of the suite waits (on rendezvous, SLURM, timeouts) rather than
+# computes.
+TEST_WORKERS ?= 3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
@@ -24,7 +28,7 @@ train: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG) $(ARGS)
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -rs --durations=25 tests
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --durations=25 tests
 
 # ruff (lint and format) and mypy on src/, as configured in pyproject.toml; the layers of
 # src/dtrain (imports only downwards, no cycle: tests/test_layers.py, read from the source).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -40,6 +41,8 @@ def free_port() -> int:
 def child_env(extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Each launch would compile dtrain's modules again where bytecode is not written.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     # Tests' own user models and datasets are importable by module path.
     env["PYTHONPATH"] = os.pathsep.join([TESTS, str(REPO / "src"), env.get("PYTHONPATH", "")])
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
@@ -236,3 +239,40 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
             return "services" if path in SERVICES else path
 
     return ByFile(config, log)
+
+
+# CPU seconds of each test, its launches included (what a test's processes and theirs used, once
+# they ended), shown after the slowest tests: on two cores the suite's length is its CPU time.
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "teardown" and _CPU_START in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    spent = [(dict(r.user_properties).get("cpu_s"), r.nodeid)
+             for reports in terminalreporter.stats.values() for r in reports
+             if getattr(r, "when", None) == "teardown" and dict(getattr(r, "user_properties", ()))]
+    spent = sorted(((s, n) for s, n in spent if s is not None), reverse=True)
+    if not spent:
+        return
+    terminalreporter.section(f"most CPU: 25 of {len(spent)} tests, {sum(s for s, _ in spent) / 60:.1f} "
+                             f"CPU minutes in all")
+    for seconds, nodeid in spent[:25]:
+        terminalreporter.write_line(f"{seconds:7.1f}s cpu  {nodeid}")
+
+
+_CPU_START = pytest.StashKey[float]()

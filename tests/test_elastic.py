@@ -33,7 +33,9 @@ from test_multinode import CONFIG, HOSTS_SH, hosts  # noqa: F401 - the session's
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
-SAMPLES, EPOCHS = 512, 2  # batch 16 a rank: 16 steps an epoch on two hosts, 32 on one
+# batch 16 a rank: 16 steps an epoch on two hosts, 32 on one. Four epochs: the survivor must not
+# finish alone before the rejoining agent (a new process, slow on a loaded machine) is in.
+SAMPLES, EPOCHS = 512, 4
 JOB = ["data.name=user_code:attempt_served_synthetic", "model.name=user_code:slow_cnn",
        "model.args={width: 8, sleep_s: 0.25}", f"train.epochs={EPOCHS}", "ckpt.every_steps=4",
        "ckpt.every_epochs=0", "ckpt.keep_last=100", "log.tensorboard=true"]
