@@ -30,8 +30,9 @@ class Entry:
     target: str  # the builder, as 'module:function'
     doc: str = ""
     reports: tuple[str, ...] = ()  # tasks: what an evaluation reports, as val_<name>
-    # datasets: what gives their sizes and `info` without reading a sample ('module:function',
-    # as the builder's arguments); none: the builder itself (a user's datasets)
+    # What tells the size of what the builder makes without making it ('module:function'):
+    # datasets, their lengths and `info` (the builder's arguments; none: the builder itself, for
+    # a user's datasets); optimizers, their state per parameter (called with the optim config).
     sizes: str = ""
 
 
@@ -155,15 +156,22 @@ TASKS = Table(
 )
 
 # builder(param_groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer
+_SGD_STATE, _ADAM_STATE = "dtrain.loop.optim:sgd_state", "dtrain.loop.optim:adam_state"
 OPTIMIZERS = Table(
     key="optim.name",
     kind="optimizer",
     entries={
-        "sgd": Entry("dtrain.loop.optim:sgd", "SGD with momentum"),
-        "adam": Entry("dtrain.loop.optim:adam", "Adam"),
-        "adamw": Entry("dtrain.loop.optim:adamw", "AdamW (decoupled weight decay)"),
+        "sgd": Entry("dtrain.loop.optim:sgd", "SGD with momentum", sizes=_SGD_STATE),
+        "adam": Entry("dtrain.loop.optim:adam", "Adam", sizes=_ADAM_STATE),
+        "adamw": Entry(
+            "dtrain.loop.optim:adamw", "AdamW (decoupled weight decay)", sizes=_ADAM_STATE
+        ),
     },
-    user=Entry("dtrain.loop.optim:build_user_optimizer", "called with the groups and the config"),
+    user=Entry(
+        "dtrain.loop.optim:build_user_optimizer",
+        "called with the groups and the config",
+        sizes="dtrain.loop.optim:user_state",
+    ),
 )
 
 # builder(optimizer, cfg: SchedConfig, *, base_lr, total_steps, monitor_mode) -> a schedule

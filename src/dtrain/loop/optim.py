@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +81,27 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
 def _fused(groups: list[dict[str, Any]]) -> bool | None:
     return all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"]) or None
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """What an optimizer keeps for each parameter (for `dtrain plan`): tensors of the
+    parameter's size, and whether a step count too."""
+
+    slots: int
+    step: bool
+
+
+def sgd_state(cfg: OptimConfig) -> StateShape:
+    return StateShape(slots=1 if cfg.momentum != 0 else 0, step=False)
+
+
+def adam_state(cfg: OptimConfig) -> StateShape:
+    return StateShape(slots=2, step=True)  # first and second moments
+
+
+def user_state(cfg: OptimConfig) -> StateShape:
+    return StateShape(slots=2, step=False)  # not known before it is built: two moments assumed
 
 
 def sgd(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from dtrain import parallel
-from dtrain.config import Config
+from dtrain.config import Config, registry
+from dtrain.loop.optim import StateShape
 from dtrain.parallel.sharded_init import shard_rows
 from dtrain.process import compat
 
@@ -41,11 +42,10 @@ def _local_bytes(p: torch.Tensor, shards: int, rank: int) -> int:
     return (stop - start) * per_row * p.element_size()
 
 
-def optimizer_slots(cfg: Config) -> int:
-    """Tensors of a parameter's size that the optimizer keeps per parameter."""
-    if cfg.optim.name == "sgd":
-        return 1 if cfg.optim.momentum != 0 else 0
-    return 2  # Adam / AdamW: first and second moments
+def optimizer_state(cfg: Config) -> StateShape:
+    """What the optimizer keeps per parameter, as its registry entry says."""
+    shape: StateShape = registry.OPTIMIZERS.sizes(cfg.optim.name)(cfg.optim)
+    return shape
 
 
 def ema_copies(cfg: Config) -> int:
@@ -57,8 +57,8 @@ def state_bytes(model: nn.Module, cfg: Config, shards: int, rank: int = 0) -> di
     """The bytes `run.state_bytes` measures after the first step, computed from shapes:
     params, grads, optimizer (the EMA weights included) and their total for `rank` of `shards`,
     and 'unsharded'."""
-    slots = optimizer_slots(cfg) + ema_copies(cfg)
-    adam = cfg.optim.name in ("adam", "adamw")
+    state = optimizer_state(cfg)
+    slots, adam = state.slots + ema_copies(cfg), state.step
     totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
     for p in model.parameters():
         local, full = _local_bytes(p, shards, rank), p.numel() * p.element_size()
@@ -77,8 +77,9 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
     """Bytes of one checkpoint on disk: model state, optimizer state, their container overhead
     ("full" when `shards` is 1, DCP pieces from every rank holding a shard otherwise), and the
     per-rank metadata."""
-    slots = optimizer_slots(cfg) + ema_copies(cfg)  # the EMA weights: one tensor per parameter
-    adam = cfg.optim.name in ("adam", "adamw")
+    state = optimizer_state(cfg)
+    # the EMA weights: one tensor per parameter more
+    slots, adam = state.slots + ema_copies(cfg), state.step
     data_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     trainable = [p for p in model.parameters() if p.requires_grad]
     data_bytes += sum(slots * p.numel() * p.element_size() for p in trainable)
