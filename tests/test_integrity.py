@@ -161,15 +161,22 @@ def small_run(tmp_path_factory) -> Result:
 def test_resuming_with_a_config_that_trains_something_else_is_refused(small_run, tmp_path) -> None:
     run_dir = tmp_path / "runs" / "run"
     shutil.copytree(small_run.run_dir, run_dir)
+    table = run_dir.parent / "runs.csv"
+    shutil.copy(small_run.run_dir.parent / "runs.csv", table)
+    saved_config, saved_table = (run_dir / "config.yaml").read_bytes(), table.read_bytes()
+    assert ",finished," in saved_table.decode()
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     refused = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=3", "optim.lr=0.01"])
     assert refused.returncode == 2
+    # The refused launch wrote nothing of the run's: its config and its record (finished) stay.
+    assert (run_dir / "config.yaml").read_bytes() == saved_config
+    assert table.read_bytes() == saved_table
     assert refused.stderr.count("dtrain: checkpoint error:") == 1 and "Traceback" not in refused.stderr
     # Only what changes what is learned is named: a longer run alone would be allowed.
     assert ("was saved by a config that trains something else (optim.lr: 0.05 -> 0.01); to "
             "continue it on purpose set ckpt.resume_config_change=allow") in refused.stderr
     changed = [p for p in run_dir.rglob("*") if p.exists() and p.stat().st_mtime_ns != before.get(p)
-               and p.name not in ("log.txt", "runs.csv", "runs.csv.lock", ".lock", "config.yaml")]
+               and p.name not in ("log.txt", ".lock")]
     assert changed == [] and not superseded(run_dir)  # nothing of the run was touched
     # Keys that do not change what is trained may change freely (here: logging and loaders).
     allowed = launch(run_dir, ["train.max_steps=6", "ckpt.every_steps=3", "log.every_s=5",

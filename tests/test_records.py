@@ -110,7 +110,7 @@ def _hammer(out_dir: str, name: str, count: int) -> None:
     cfg = config.load(None, [f"run.name={name}", f"run.out_dir={out_dir}"])
     described = {"model": cfg.model.name, "lr": str(cfg.optim.lr)}
     record = records.RunRecord(out_dir, name, described, cfg.ckpt, world_size=1, is_main=True)
-    record.start(os.path.join(out_dir, name))
+    record.start(os.path.join(out_dir, name), resuming=False)
     for step in range(1, count + 1):
         record.update(TrainState(step=step))
     record.update(TrainState(step=count), "finished")
@@ -130,3 +130,26 @@ def test_concurrent_runs_keep_every_row(tmp_path: Path) -> None:
     assert sorted(rows) == names
     assert all(row["status"] == "finished" and row["step"] == "25" for row in rows.values())
     assert not list(tmp_path.glob("runs.csv.tmp*"))
+
+
+def test_a_damaged_runs_csv_keeps_its_readable_rows_for_runs_and_for_new_records(
+        tmp_path: Path, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """Bytes that are not UTF-8 or a NUL in runs.csv: `dtrain runs` and a run's record skip
+    that line with a warning and keep every other row."""
+    for name in ("first", "second"):
+        _hammer(str(tmp_path), name, 2)
+    table = tmp_path / "runs.csv"
+    lines = table.read_bytes().splitlines(keepends=True)
+    table.write_bytes(lines[0] + lines[1] + b"\xff\xfebroken,\xc3(\n" + b"nul\x00row\n" + lines[2])
+    assert cli.main(["runs", f"--out-dir={tmp_path}"]) == 0
+    captured = capfd.readouterr()
+    assert [line.split()[:2] for line in captured.out.splitlines()[1:]] == [
+        ["first", "finished"], ["second", "finished"]]
+    assert "runs.csv: left out 2 line(s) that cannot be read (damaged)" in caplog.text
+    _hammer(str(tmp_path), "third", 1)  # a new run's record rewrites the table without them
+    rows = read_rows(tmp_path)
+    assert list(rows) == ["first", "second", "third"]
+    assert all(row["status"] == "finished" for row in rows.values())
+    table.write_text("name,status\n\"unclosed,running\n" + "x" * 200_000 + "\n")
+    assert cli.main(["runs", f"--out-dir={tmp_path}"]) == 2
+    assert "is not a table of runs" in capfd.readouterr().err

@@ -28,6 +28,7 @@ import yaml
 
 from dtrain.core.errors import UserError
 from dtrain.core.monitor import best_first, improves
+from dtrain.files import metrics as metrics_file
 from dtrain.files import names
 from dtrain.files.sweeps import SWEEP_FILE, NotASweep, overrides_of, read_sweep, swept_keys
 
@@ -177,26 +178,21 @@ class _Seen:
 
 def _scan(path: str, monitor: str | None, mode: str) -> _Seen:
     """The last record's step and epoch, and the best `monitor` value with its (first) step.
-    A line torn by a kill is skipped."""
+    A line torn by a kill, or damaged, is skipped."""
     seen = _Seen()
     try:
-        f = open(path, encoding="utf-8")
+        records, _ = metrics_file.read(path)
     except OSError:
         return seen
-    with f:
-        for line in f:
-            try:
-                record = json.loads(line)
-                step = int(record["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if seen.step is None or step >= seen.step:
-                seen.step, seen.epoch = step, _integer(record.get("epoch"))
-            value = record.get(monitor) if monitor else None
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-                continue
-            if improves(value, seen.best, mode):
-                seen.best, seen.best_step = float(value), step
+    for _, record in records:
+        step = record["step"]
+        if seen.step is None or step >= seen.step:
+            seen.step, seen.epoch = step, _integer(record.get("epoch"))
+        value = record.get(monitor) if monitor else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            continue
+        if improves(value, seen.best, mode):
+            seen.best, seen.best_step = float(value), step
     return seen
 
 

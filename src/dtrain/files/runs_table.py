@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import fcntl
+import io
 import os
 from collections.abc import Iterator
 
@@ -42,13 +43,36 @@ COLUMNS = (
 
 
 def read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """Rows by name, in file order, and columns this version does not know (kept as they are)."""
-    if not os.path.exists(path):
+    """Rows by name, in file order, and columns this version does not know (kept as they are).
+    A line that cannot be read (not UTF-8, a NUL byte: a damaged file) is left out with a
+    warning, and the next write of the table drops it: the record is a convenience, and never
+    stops a run or `dtrain runs`."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
         return {}, []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        rows = {row["name"]: row for row in reader if row.get("name")}
-        extra = [c for c in reader.fieldnames or () if c not in COLUMNS]
+    lines, damaged = [], 0
+    for line in raw.splitlines(keepends=True):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            damaged += 1
+            continue
+        if "\0" in text:
+            damaged += 1
+            continue
+        lines.append(text)
+    if damaged:
+        log.warning(
+            f"run records: {path}: left out {damaged} line(s) that cannot be read (damaged); "
+            f"the other rows are kept"
+        )
+    # (a csv.Error here, a table that is not CSV at all, is the caller's: a writer leaves the
+    # table as it is)
+    reader = csv.DictReader(io.StringIO("".join(lines), newline=""))
+    rows = {row["name"]: row for row in reader if row.get("name")}
+    extra = [c for c in reader.fieldnames or () if c not in COLUMNS]
     return rows, extra
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dtrain.core.logs import log
+from dtrain.files import metrics as metrics_file
 from dtrain.files import names
 
 if TYPE_CHECKING:
@@ -74,22 +76,22 @@ class JsonlSink:
 def drop_records_after(path: str, step: int, superseded: str | None = None) -> None:
     """Keep only records up to `step` (all of them for a fresh start with step 0 and no file).
     The dropped records go to `superseded/<time>/metrics.jsonl` when a rewind moved checkpoints
-    there, so that nothing of the abandoned history is lost."""
-    if not os.path.exists(path):
+    there, so that nothing of the abandoned history is lost. Lines that cannot be read (torn by
+    a kill, damaged) are left out with a warning: a record never stops a run."""
+    records, skipped = metrics_file.read(path)
+    if not records and not skipped:
         return
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    kept: list[str] = []
-    dropped: list[str] = []
-    for line in lines:
-        try:
-            (kept if json.loads(line)["step"] <= step else dropped).append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by a crash mid-write
+    kept = [line for line, record in records if record["step"] <= step]
+    dropped = [line for line, record in records if record["step"] > step]
+    if skipped:
+        log.warning(
+            f"{path}: left out {skipped} line(s) that cannot be read (torn by a kill, or "
+            f"damaged); the other records are kept"
+        )
     if dropped and superseded is not None:
         with open(os.path.join(superseded, names.METRICS), "a", encoding="utf-8") as f:
             f.writelines(dropped)
-    if len(kept) != len(lines):
+    if dropped or skipped:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from dtrain.config import Config, flatten, to_dict
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
+from dtrain.files import metrics as metrics_file
 from dtrain.files import names
 from dtrain.observe.sinks import Record
 
@@ -366,20 +367,13 @@ class TrackerSink:
 
     def _missed(self) -> Rows:
         """Records that metrics.jsonl keeps (up to the resumed step) and the tracker lacks."""
-        path = os.path.join(self.info.run_dir, names.METRICS)
         rows: Rows = []
-        if not os.path.exists(path):
-            return rows
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    values = json.loads(line)
-                    step = int(values["step"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line being written
-                if step > self.resumed_step:
-                    break  # this attempt's records: they are on the queue
-                rows.append((step, metrics_of(kind_of(values), values)))
+        records, _ = metrics_file.read(os.path.join(self.info.run_dir, names.METRICS))
+        for _, values in records:  # (a line being written is left out)
+            step = values["step"]
+            if step > self.resumed_step:
+                break  # this attempt's records: they are on the queue
+            rows.append((step, metrics_of(kind_of(values), values)))
         return rows
 
     def _send(self, rows: Rows) -> None:

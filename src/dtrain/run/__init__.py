@@ -182,10 +182,6 @@ def _train(
     clock: StartupClock,
 ) -> str:
     run_dir = cfg.run_dir
-    record.start(run_dir)
-    if dist.is_main():
-        with open(os.path.join(run_dir, names.CONFIG), "w", encoding="utf-8") as f:
-            f.write(dump(cfg))
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(
@@ -216,6 +212,12 @@ def _train(
             log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
     elif pieces.starting_weights:
         log.info(pieces.starting_weights.load(model))
+    # Every check has passed (a resume refused for a changed config ends above): the run's
+    # record and its config.yaml are written only now.
+    record.start(run_dir, resuming=resumed is not None)
+    if dist.is_main():
+        with open(os.path.join(run_dir, names.CONFIG), "w", encoding="utf-8") as f:
+            f.write(dump(cfg))
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     pieces.notes.append(optim.describe_groups(optimizer))
     clock.mark("run directory and resume")

@@ -27,7 +27,7 @@ from dtrain.config import CkptConfig, Config, to_dict
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
 from dtrain.files.resume_policy import training_part
-from dtrain.files.store import CHECKPOINTS, LATEST, Store
+from dtrain.files.store import Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
 from dtrain.process.layout import Layout
@@ -129,13 +129,12 @@ class RunRecord:
         self.attempt_start = time.monotonic()
         self.earlier_wall_s = 0.0
 
-    def start(self, run_dir: str) -> None:
-        """Write the row as running; a resumed run continues its earlier row."""
+    def start(self, run_dir: str, resuming: bool) -> None:
+        """Write the row as running; a run that resumed a checkpoint continues its earlier
+        row. Called once every check of the launch has passed: a refused launch leaves the row
+        as it was."""
         if not self.is_main:
             return
-        resuming = self.ckpt.resume != "none" and os.path.exists(
-            os.path.join(run_dir, CHECKPOINTS, LATEST)
-        )
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         name = self.name
         row = {
@@ -231,8 +230,15 @@ def mark_failed(out_dir: str, name: str, error: str) -> None:
 
 
 def read(out_dir: str) -> dict[str, dict[str, str]]:
-    """The rows of `out_dir/runs.csv` by run name, in file order; none without the file."""
-    return runs_table.read(os.path.join(out_dir, FILE))[0]
+    """The rows of `out_dir/runs.csv` by run name, in file order; none without the file. A
+    file that is not a table of runs at all is one line (exit 2)."""
+    path = os.path.join(out_dir, FILE)
+    try:
+        return runs_table.read(path)[0]
+    except csv.Error as e:
+        raise UserError(
+            f"runs error: {path} is not a table of runs ({e}); move it away to start a new one"
+        ) from None
 
 
 def _float(text: str | None) -> float:
@@ -249,7 +255,7 @@ def table(out_dir: str) -> str:
             f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
             f"your runs with --out-dir"
         )
-    rows, _ = runs_table.read(os.path.join(out_dir, FILE))
+    rows = read(out_dir)
     if not rows:
         return f"no runs recorded in {os.path.join(out_dir, FILE)}"
     lines = []
