@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -487,3 +488,58 @@ def test_sync_batchnorm_over_two_ranks_equals_one_process_with_both_batches(
         assert difference <= 1e-5, (a, b)
     else:
         assert abs(a[1] - b[1]) > 1e-3, (a, b)
+
+
+@pytest.mark.parametrize("damage", ["config_link", "dangling_checkpoints"])
+def test_a_run_directory_with_a_link_to_write_through_is_refused_untouched(
+        small_run, tmp_path, damage) -> None:
+    """A link where dtrain writes (config.yaml, log.txt, checkpoints/, ...) would take the
+    writes outside the run: one line, exit 2, and the link's target as it was."""
+    run_dir = tmp_path / "runs" / "run"
+    shutil.copytree(small_run.run_dir, run_dir)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not dtrain's\n")
+    if damage == "config_link":
+        (run_dir / "config.yaml").unlink()
+        (run_dir / "config.yaml").symlink_to(outside)
+        named = run_dir / "config.yaml"
+    else:
+        shutil.rmtree(run_dir / "checkpoints")
+        (run_dir / "checkpoints").symlink_to(tmp_path / "nowhere")
+        named = run_dir / "checkpoints"
+    refused = launch(run_dir, ["train.max_steps=6", "ckpt.every_steps=3"])
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"dtrain: run error: {named} is a symbolic link; dtrain writes inside its run directory "
+        f"and never through a link: remove the link (or give the run another run.name)")
+    assert "Traceback" not in refused.stderr
+    assert outside.read_text() == "not dtrain's\n" and not (tmp_path / "nowhere").exists()
+
+
+def test_what_a_run_writes_in_its_directory_is_a_file_or_a_folder_of_its_own(tmp_path) -> None:
+    from dtrain.core.errors import UserError
+    from dtrain.files.store import check_run_dir_entries
+
+    check_run_dir_entries(str(tmp_path / "absent"))  # a new run directory: nothing to check
+    for name, kind, said in [("log.txt", "dir", "is a directory where dtrain writes a file"),
+                             ("log.rank3.txt", "link", "is a symbolic link"),
+                             (".lock", "dir", "is a directory where dtrain writes a file"),
+                             ("checkpoints", "file", "is a file where dtrain keeps its "
+                                                     "checkpoints/ folder"),
+                             ("tb", "link", "is a symbolic link")]:
+        run_dir = tmp_path / name.strip(".")
+        run_dir.mkdir()
+        (run_dir / "notes.txt").symlink_to(tmp_path)  # not dtrain's: left alone
+        path = run_dir / name
+        if kind == "dir":
+            path.mkdir()
+        elif kind == "file":
+            path.write_text("x")
+        else:
+            path.symlink_to(tmp_path)
+        with pytest.raises(UserError, match=f"run error: {re.escape(str(path))} {said}"):
+            check_run_dir_entries(str(run_dir))
+    evals_link = tmp_path / "evals_run"
+    evals_link.mkdir()
+    (evals_link / "config.yaml").symlink_to(tmp_path)
+    check_run_dir_entries(str(evals_link), only=("evals",))  # eval writes evals/ alone

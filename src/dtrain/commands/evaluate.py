@@ -40,7 +40,7 @@ from dtrain.checkpoint.state import (
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.files import names
-from dtrain.files.store import MARKER, Store, fsync_dir, read_marker
+from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
 from dtrain.loop import evaluation
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.parallel import unwrap
@@ -264,6 +264,7 @@ def describe_data(cfg: Config, val_samples: int) -> dict[str, Any]:
 def write_result(run_dir: str, name: str, result: dict[str, Any]) -> str:
     """`DIR/evals/<name>-<time>.json`, atomically, never over an earlier result (a second
     evaluation in the same second gets `-2`, ...)."""
+    check_run_dir_entries(run_dir, only=(EVALS,))  # never written through a link
     folder = os.path.join(run_dir, EVALS)
     os.makedirs(folder, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -33,10 +32,10 @@ def setup_logging(rank: int, all_ranks: bool) -> None:
     log.addHandler(early)
 
 
-def attach_log_files(run_dir: str, rank: int) -> None:
-    """Log into the run directory from now on, the lines logged so far first."""
-    name = "log.txt" if rank == 0 else f"log.rank{rank}.txt"
-    handler = logging.FileHandler(os.path.join(run_dir, name), encoding="utf-8")
+def attach_log_files(path: str) -> None:
+    """Log into the file at `path` (this rank's in the run directory) from now on, the lines
+    logged so far first."""
+    handler = logging.FileHandler(path, encoding="utf-8")
     for early in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         handler.setFormatter(early.formatter)
         early.setTarget(handler)

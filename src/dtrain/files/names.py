@@ -10,6 +10,26 @@ METRICS = "metrics.jsonl"  # one record a line
 TENSORBOARD = "tb"  # TensorBoard's event files
 CHECKPOINTS = "checkpoints"  # one folder per checkpoint
 EVALS = "evals"  # `dtrain eval`'s results, one file each
+TRACKERS = "trackers.json"  # which MLflow / W&B run this run is, and what they were sent
+PROFILE = "profile"  # log.profile's traces
+LOCK = ".lock"  # held by rank 0 of the run that owns the directory
+SUPERSEDED = "superseded"  # what a rewind or a fresh start left, kept aside
+
+
+def log_file(rank: int) -> str:
+    """Each rank's log: rank 0's `log.txt`, the others' `log.rank<N>.txt`."""
+    return "log.txt" if rank == 0 else f"log.rank{rank}.txt"
+
+
+def is_log_file(name: str) -> bool:
+    return name == "log.txt" or (
+        name.startswith("log.rank") and name.endswith(".txt") and name[8:-4].isdigit()
+    )
+
+
+# What a run writes directly in its directory: files, and folders of its own (never a link).
+RUN_FILES = (CONFIG, METRICS, TRACKERS, LOCK)
+RUN_FOLDERS = (CHECKPOINTS, TENSORBOARD, EVALS, PROFILE, SUPERSEDED)
 
 # A run.out_dir (and so a sweep folder)
 RUNS_CSV = "runs.csv"  # one row per run: status, error, wall time, last checkpoint

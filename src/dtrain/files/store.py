@@ -41,9 +41,9 @@ from dtrain.files import names
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
 
 LATEST = "latest"
-LOCK_FILE = ".lock"
+LOCK_FILE = names.LOCK
 CHECKPOINTS = names.CHECKPOINTS
-SUPERSEDED = "superseded"
+SUPERSEDED = names.SUPERSEDED
 TMP_PREFIX = ".tmp-"
 # What a run leaves beside its checkpoints that belongs to the same history.
 RECORD_FILES = (names.METRICS, names.TENSORBOARD)
@@ -89,6 +89,40 @@ def checkpoint_name(step: int, epoch: int, monitor: str, value: float | None) ->
 
 # ---------------------------------------------------------------------------------------------
 # One run directory, one owner
+
+
+def check_run_dir_entries(run_dir: str, only: tuple[str, ...] | None = None) -> None:
+    """What a run writes directly in its directory is a file or a folder of its own: never a
+    symbolic link (a write would go through it, outside the run), never a folder where a file
+    goes or the other way round. One UserError naming the first that is not, before anything is
+    written; `only` checks those names alone (dtrain eval writes evals/ only)."""
+    try:
+        present = sorted(os.listdir(run_dir))
+    except FileNotFoundError:
+        return
+    for name in present:
+        if only is not None and name not in only:
+            continue
+        is_file = name in names.RUN_FILES or names.is_log_file(name)
+        is_folder = name in names.RUN_FOLDERS
+        if not (is_file or is_folder):
+            continue
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):
+            raise UserError(
+                f"run error: {path} is a symbolic link; dtrain writes inside its run directory "
+                f"and never through a link: remove the link (or give the run another run.name)"
+            )
+        if is_file and os.path.isdir(path):
+            raise UserError(
+                f"run error: {path} is a directory where dtrain writes a file; move it away "
+                f"(or give the run another run.name)"
+            )
+        if is_folder and not os.path.isdir(path):
+            raise UserError(
+                f"run error: {path} is a file where dtrain keeps its {name}/ folder; move it "
+                f"away (or give the run another run.name)"
+            )
 
 
 class RunDirLock:

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from dtrain.config import ProfileConfig
 from dtrain.core.logs import log
+from dtrain.files import names
 
 TOP_ROWS = 10
 
@@ -25,7 +26,7 @@ class Profiler:
 
     def __init__(self, cfg: ProfileConfig, run_dir: str, rank: int, device: torch.device) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
-        self.dir = os.path.join(run_dir, "profile")
+        self.dir = os.path.join(run_dir, names.PROFILE)
         self.traced = False
         self._ending = False
         self._prof: profile | None = None

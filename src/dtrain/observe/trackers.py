@@ -43,7 +43,7 @@ TRACKERS: dict[str, tuple[str, str, str]] = {
     "mlflow": ("dtrain.observe.tracker_mlflow", "MlflowTracker", "mlflow"),
     "wandb": ("dtrain.observe.tracker_wandb", "WandbTracker", "wandb"),
 }
-STATE_FILE = "trackers.json"
+STATE_FILE = names.TRACKERS
 CLOSE_WAIT_S = 10.0
 MAX_QUEUED = 100_000  # records; beyond this (a tracker far behind) new ones are dropped
 BATCH = 500  # records taken off the queue per send

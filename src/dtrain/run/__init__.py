@@ -19,7 +19,7 @@ from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.files import names
 from dtrain.files.resume_policy import is_length_change
-from dtrain.files.store import RunDirLock, Store
+from dtrain.files.store import RunDirLock, Store, check_run_dir_entries
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
@@ -84,6 +84,7 @@ def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
 
     def claim() -> None:
         prepare_run_dir(cfg)
+        check_run_dir_entries(cfg.run_dir)  # no link to write through, before the lock's file
         lock.acquire(slurm.job_label(env.slurm_job_id))
 
     dist.on_main(claim)
@@ -152,7 +153,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         pieces = build_pieces(cfg, layout, clock)
         loaders = pieces.loaders
         claim_run_dir(cfg, lock, env)
-        attach_log_files(cfg.run_dir, dist.rank())
+        attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
         outcome = _train(cfg, layout, record, pieces, clock)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(
