@@ -5,6 +5,7 @@ checkpoint by its run directory."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,59 @@ def trained(tmp_path_factory) -> Path:
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out_dir / "mixed"
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+
+def test_an_export_that_cannot_be_written_leaves_the_earlier_one_and_says_why(
+        trained, tmp_path) -> None:
+    """A full disk, a read-only place, a directory at --out: one line, exit 2, and the good
+    export that was at --out as it was (written beside it under a hidden name, then renamed)."""
+    disk = tmp_path / "small"
+    _mount_tmpfs(disk, "size=512k")
+    try:
+        out = disk / "model.pt"
+        first = dtrain("export", "--out", str(out), "--run", str(trained))
+        assert first.returncode == 0, first.stderr
+        good = out.read_bytes()
+        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
+        try:
+            while os.write(filler, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(filler)
+        full = dtrain("export", "--out", str(out), "--run", str(trained))
+        assert full.returncode == 2, full.stderr
+        assert full.stderr.strip().splitlines() == [
+            f"dtrain: export error: cannot write into {disk} (the disk is full); nothing there "
+            f"was changed: free space or choose another --out"]
+        assert out.read_bytes() == good
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    read_only = tmp_path / "read_only"
+    _mount_tmpfs(read_only, "ro,size=64k")
+    try:
+        refused = dtrain("export", "--out", str(read_only / "model.pt"), "--run", str(trained))
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines() == [
+            f"dtrain: export error: cannot write into {read_only} (Read-only file system); "
+            f"nothing there was changed: free space or choose another --out"]
+    finally:
+        subprocess.run(["umount", str(read_only)], capture_output=True)
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    onto = dtrain("export", "--out", str(folder), "--run", str(trained))
+    assert onto.returncode == 2 and onto.stderr.strip().splitlines() == [
+        f"dtrain: export error: --out {folder} is a directory; name the file to write"]
 
 
 def test_launch_takes_overrides_before_and_after_config(trained) -> None:

@@ -29,19 +29,19 @@ def difference(a: Any, b: Any) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in tensors)
 
 
-def report(path: str, out: str, fmt: str, found: float, what: str) -> float:
-    """The line that says the export matches, or (the file removed) the line that it does not."""
+def report(path: str, out: str, fmt: str, found: float, what: str) -> tuple[float, str]:
+    """The figure and the line that say the export matches (printed once the files are in
+    place), or the error that it does not (nothing is then written)."""
     if not found <= TOLERANCE:  # NaN fails too
         discard(out)
         raise CheckFailed(
             f"export error: the exported model's {what} differ from the checkpoint's "
-            f"by {found:.3g} (> {TOLERANCE}); {out} was removed"
+            f"by {found:.3g} (> {TOLERANCE}); {out} was not written"
         )
-    print(
+    return found, (
         f"exported {path} -> {out} ({fmt}); {what} match the checkpoint"
         f"{' on a batch' if what == 'outputs' else ''} (max difference {found:.2g})"
     )
-    return found
 
 
 def discard(*paths: str) -> None:

@@ -27,7 +27,7 @@ from dtrain import checkpoint, config, models, tasks
 from dtrain.checkpoint.state import load_checked, read_sharded
 from dtrain.commands.export.check import difference, report
 from dtrain.core.errors import UserError, first_line
-from dtrain.files import names
+from dtrain.files import names, outputs
 
 FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors")
 WEIGHTS = ("model", "ema")
@@ -141,13 +141,42 @@ def export(
             f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"
         )
+    if fmt != "safetensors" and os.path.isdir(out):
+        raise UserError(f"export error: --out {out} is a directory; name the file to write")
     model, meta = load_model(path, weights)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     what = f"{path} ({weights} weights)" if weights == "ema" else path
+    # Written beside the final files under a hidden name, checked, then renamed into place: a
+    # failure (a full disk, a failed check) leaves an earlier export at --out as it was.
+    if fmt == "safetensors":
+        from dtrain.commands.export import safetensors_file as export_safetensors
+
+        final = export_safetensors.paths(out)[0]
+    else:
+        final = out
+    folder = os.path.dirname(final)
+    with outputs.staged(folder, "export") as stage:
+        staging = os.path.join(stage, os.path.basename(final))
+        try:
+            found, line = _write(fmt, model, meta, what, staging, list(overrides), weights)
+        except UserError as e:
+            raise type(e)(_final_paths(str(e), stage, folder)) from None
+    print(_final_paths(line, stage, folder))
+    return found
+
+
+def _write(
+    fmt: str,
+    model: nn.Module,
+    meta: dict,
+    what: str,
+    out: str,
+    overrides: list[str],
+    weights: str,
+) -> tuple[float, str]:
     if fmt == "onnx":
         from dtrain.commands.export import onnx_file as export_onnx
 
-        return export_onnx.export(model, meta, what, out, list(overrides), weights)
+        return export_onnx.export(model, meta, what, out, overrides, weights)
     if fmt == "safetensors":
         from dtrain.commands.export import safetensors_file as export_safetensors
 
@@ -155,7 +184,12 @@ def export(
     return _export_torch(model, meta, what, out, fmt)
 
 
-def _export_torch(model: nn.Module, meta: dict, path: str, out: str, fmt: str) -> float:
+def _final_paths(text: str, stage: str, folder: str) -> str:
+    """A message about the staged files, naming them where they go."""
+    return text.replace(os.path.join(stage, ""), os.path.join(folder, "") if folder else "")
+
+
+def _export_torch(model: nn.Module, meta: dict, path: str, out: str, fmt: str) -> tuple[float, str]:
     inputs = example_input(meta)
     if inputs is None and fmt != "state_dict":
         raise UserError(

@@ -50,9 +50,9 @@ class CheckBatch:
 
 def export(
     model: nn.Module, meta: dict, path: str, out: str, overrides: list[str], weights: str = "model"
-) -> float:
-    """Export `model` to `out`, check it under onnxruntime, print the verdict; returns the
-    largest absolute difference to PyTorch's outputs."""
+) -> tuple[float, str]:
+    """Export `model` to `out`, check it under onnxruntime; returns the largest absolute
+    difference to PyTorch's outputs and the verdict's line."""
     batch = validation_inputs(meta, overrides)
     inputs = batch.inputs
     seq_len = meta["model_info"].get("seq_len") if batch.language else None
@@ -69,14 +69,13 @@ def export(
         discard(out, out + ".data")
         raise CheckFailed(
             f"export error: onnxruntime's outputs differ from PyTorch's by {found:.3g} "
-            f"(> {TOLERANCE}) on {checked}; {out} was removed"
+            f"(> {TOLERANCE}) on {checked}; {out} was not written"
         )
-    print(
+    return found, (
         f"exported {path} -> {out} (onnx, opset {_opset(program)}, {seconds:.1f} s); "
         f"onnxruntime agrees with PyTorch on {checked}: "
         f"max abs difference {found:.2g} <= {TOLERANCE}"
     )
-    return found
 
 
 def _opset(program: Any) -> int | str:

@@ -40,7 +40,9 @@ def paths(out: str) -> tuple[str, str]:
     return file, os.path.join(os.path.dirname(os.path.abspath(file)), CONFIG_FILE)
 
 
-def export(model: nn.Module, meta: dict, path: str, out: str, weights: str = "model") -> float:
+def export(
+    model: nn.Module, meta: dict, path: str, out: str, weights: str = "model"
+) -> tuple[float, str]:
     """Write the weights and config, load them back as a user would, and compare."""
     from safetensors.torch import save_file
 
@@ -74,7 +76,7 @@ def export(model: nn.Module, meta: dict, path: str, out: str, weights: str = "mo
         discard(file, config_file)
         raise CheckFailed(
             f"export error: the weights read back from {file} differ from the checkpoint's "
-            f"by {found:.3g}; it was removed"
+            f"by {found:.3g}; it was not written"
         )
     return report(path, file, f"safetensors, {CONFIG_FILE} beside it", found, "weights")
 

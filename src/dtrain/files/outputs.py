@@ -1,0 +1,69 @@
+"""Writing a command's output files so that a failure leaves what was there: everything is
+written into a hidden staging folder beside the final files (the same file system), flushed, and
+only then renamed over the final names, one by one. A full disk, a read-only place or a failed
+check leaves the files that were at those names as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from dtrain.core.errors import UserError
+from dtrain.files.store import fsync_dir
+
+STAGING_PREFIX = ".dtrain-staging-"
+# Free space below which a failed write is taken for a full disk (a file system keeps a few
+# blocks it does not hand out).
+_NEARLY_FULL = 1 << 20
+
+
+@contextlib.contextmanager
+def staged(folder: str, command: str) -> Iterator[str]:
+    """A staging folder inside `folder` (created if need be) to write the output files in,
+    under their final names; when the block ends without an error, each file is flushed and
+    renamed into `folder`. An OSError while writing or renaming is one line for `command`
+    ('export', ...) naming the place and the reason."""
+    try:
+        os.makedirs(folder or ".", exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder or ".")
+    except OSError as e:
+        raise output_error(command, folder or ".", e) from None
+    try:
+        try:
+            yield stage
+            for name in sorted(os.listdir(stage)):
+                _flush(os.path.join(stage, name))
+            for name in sorted(os.listdir(stage)):
+                os.replace(os.path.join(stage, name), os.path.join(folder or ".", name))
+            fsync_dir(folder or ".")
+        except OSError as e:
+            raise output_error(command, folder or ".", e) from None
+        except RuntimeError as e:
+            # torch.save reports a failed write as a RuntimeError, not as the OSError beneath.
+            if shutil.disk_usage(stage).free > _NEARLY_FULL:
+                raise
+            raise output_error(command, folder or ".", OSError(errno.ENOSPC, str(e))) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def output_error(command: str, where: str, error: OSError) -> UserError:
+    if error.errno == errno.ENOSPC:
+        reason = "the disk is full"
+    else:
+        reason = error.strerror or str(error)
+    return UserError(
+        f"{command} error: cannot write into {where} ({reason}); nothing there was changed: "
+        f"free space or choose another --out"
+    )
+
+
+def _flush(path: str) -> None:
+    if os.path.isdir(path):
+        return
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
