@@ -111,3 +111,35 @@ def test_a_loaded_config_is_read_only() -> None:
         cfg.run = cfg.run  # type: ignore[misc]
     changed = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=0.2))
     assert (cfg.optim.lr, changed.optim.lr) == (0.05, 0.2)  # a changed copy; the loaded one stays
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["optim.betas=[1.5,0.999]"], "config error: optim.betas: each must be in [0, 1), got "
+                                  "[1.5, 0.999]"),
+    (["optim.betas=[true,0.9]"], "config error: optim.betas: expected two numbers, got "
+                                 "[True, 0.9]"),
+    (["optim.momentum=0", "optim.nesterov=true"], "config error: optim.nesterov: Nesterov "
+                                                  "momentum needs optim.momentum > 0; set one "
+                                                  "or drop optim.nesterov"),
+    (["run.seed=18446744073709551616"], "config error: run.seed: at most 9223372036854775807 "
+                                        "(2**63 - 1), got 18446744073709551616"),
+    (["run.name=a\x00b"], "config error: run.name: 'a\\x00b' is not a plain directory name"),
+    (["run.name=tab\there"], "config error: run.name: 'tab\\there' is not a plain directory "
+                             "name"),
+])
+def test_values_the_types_allow_but_torch_or_the_disk_would_not_are_one_line(
+        overrides, line) -> None:
+    with pytest.raises(UserError) as raised:
+        config.load(None, overrides)
+    assert str(raised.value) == line
+
+
+@pytest.mark.parametrize("width,reason", [(-1, "Trying to create tensor with negative dimension"),
+                                          (0, "integer modulo by zero")])
+def test_a_model_that_cannot_be_built_from_its_args_is_a_config_error(width, reason) -> None:
+    from dtrain import models
+
+    cfg = config.load(None, ["model.name=simple_cnn", f"model.args={{width: {width}}}"])
+    with pytest.raises(UserError, match=rf"^config error: model.args: simple_cnn cannot be built "
+                                        rf"with {{'width': {width}}} \({reason}"):
+        models.build(cfg.model, {"num_classes": 10, "in_channels": 3, "image_size": 32}, 0)

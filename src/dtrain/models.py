@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import ModelConfig, registry
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable
 
 
@@ -257,8 +257,12 @@ def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
     torch.manual_seed(seed)
     try:
         return builder(cfg, info)
-    except TypeError as e:
-        raise UserError(f"config error: model.args: {e}") from None
+    except (TypeError, ValueError, RuntimeError, ArithmeticError) as e:
+        # A builder's (or torch's) refusal of a value: the config's, one line naming the key.
+        raise UserError(
+            f"config error: model.args: {cfg.name} cannot be built with {cfg.args} "
+            f"({first_line(e)})"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

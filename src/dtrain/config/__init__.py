@@ -220,13 +220,31 @@ def _validate(obj: Any, prefix: str) -> None:
             raise UserError(f"config error: {dotted}: {check[1]}, got {value!r}")
 
 
+# torch's generators take seeds up to 2**64 - 1, and the run adds the rank (and 1) to its seed.
+MAX_SEED = 2**63 - 1
+
+
 def _cross_checks(cfg: Config) -> None:
     """Rules that involve more than one key."""
     from dtrain.config import registry  # the names extension points know (imports nothing heavy)
 
     registry.check_names(cfg)
-    if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in cfg.optim.betas):
-        raise UserError(f"config error: optim.betas: expected two numbers, got {cfg.optim.betas!r}")
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas
+    ):
+        raise UserError(f"config error: optim.betas: expected two numbers, got {betas!r}")
+    if not all(0 <= b < 1 for b in betas):
+        raise UserError(f"config error: optim.betas: each must be in [0, 1), got {betas!r}")
+    if cfg.optim.nesterov and cfg.optim.momentum == 0:
+        raise UserError(
+            "config error: optim.nesterov: Nesterov momentum needs optim.momentum > 0; set "
+            "one or drop optim.nesterov"
+        )
+    if cfg.run.seed > MAX_SEED:
+        raise UserError(
+            f"config error: run.seed: at most {MAX_SEED} (2**63 - 1), got {cfg.run.seed}"
+        )
     no_decay = cfg.optim.no_decay
     if (isinstance(no_decay, str) and no_decay != "auto") or (
         isinstance(no_decay, list) and not all(isinstance(g, str) for g in no_decay)
@@ -261,7 +279,12 @@ def _cross_checks(cfg: Config) -> None:
             "run; set train.eval_every_epochs or train.eval_every_steps, or drop train.early_stop"
         )
     name = cfg.run.name
-    if name is not None and (not name or name in (".", "..") or "/" in name):
+    if name is not None and (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
         raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
     from dtrain.config.registry import builtin_metrics  # what the built-in tasks report
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dtrain.config import OptimConfig, SchedConfig, registry
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable
 from dtrain.core.monitor import improves
 from dtrain.process import compat
@@ -69,7 +69,12 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer named by `optim.name` (see registry.OPTIMIZERS). Built after wrapping, so
     that under FSDP it holds the sharded parameters."""
-    return registry.OPTIMIZERS.builder(cfg.name)(param_groups(model, cfg), cfg)
+    try:
+        return registry.OPTIMIZERS.builder(cfg.name)(param_groups(model, cfg), cfg)
+    except ValueError as e:  # torch's check of a value the schema let through
+        raise UserError(
+            f"config error: optim: {cfg.name} refused the config ({first_line(e)})"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

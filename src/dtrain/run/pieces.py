@@ -14,7 +14,7 @@ from torch import nn
 
 from dtrain import data, parallel, tasks
 from dtrain.config import Config
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.data.sampler import epoch_steps
 from dtrain.loop.ema import monitored_metric
 from dtrain.observe import StartupClock
@@ -153,6 +153,11 @@ def _check_task(
             problem = tasks.check(task, model, batch, monitored_metric(cfg))
     except UserError as e:
         problem = str(e)
+    except (RuntimeError, ValueError) as e:  # e.g. a layer of width 0: torch refuses the batch
+        problem = (
+            f"model error: {cfg.model.name} fails on the first validation batch "
+            f"({first_line(e)}); check model.args ({cfg.model.args}) against the data"
+        )
     problems = [p for p in dist.gather_objects(problem) if p]
     if problems:
         raise UserError(problems[0])
