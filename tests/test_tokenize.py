@@ -390,6 +390,9 @@ BAD = {
                      "--val-fraction must be between 0 and 1"),
     "vocab size": (lambda tmp: [*write_docs_str(tmp), "--vocab-size", "100"],
                    "--vocab-size must be from 257"),
+    # what the tokenizer library would abort on (a native panic, exit 134): refused first
+    "vocab size too large": (lambda tmp: [*write_docs_str(tmp), "--vocab-size", "1000000000"],
+                             "to 16777216 (2**24), not 1000000000"),
     "tokenizer not found": (lambda tmp: [*write_docs_str(tmp), "--tokenizer", str(tmp / "t.json")],
                             "--tokenizer: '"),
     "no text, with --tokenizer": (_blank_jsonl_given_tokenizer, "blank.jsonl' has no text"),

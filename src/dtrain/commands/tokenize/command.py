@@ -97,15 +97,20 @@ def load_tokenizer(path: str, eot: str | None) -> tuple[Any, str]:
     return tokenizer, found
 
 
+# The largest vocabulary trained here. The BPE trainer sizes its tables by it before it reads
+# any text: 10**9 aborts in its native code. 2**24 is far above any vocabulary in use (256 K).
+MAX_VOCAB = 1 << 24
+
+
 def train_tokenizer(texts: Iterator[str], vocab_size: int, eot: str) -> Any:
     """A byte-level BPE of `vocab_size` tokens (fewer when the text has too few pairs to merge)
     with `eot` as its one special token, trained on `texts` as they stream by. It adds no
     prefix space and decodes bytes back exactly, so decode(encode(text).ids) == text."""
     tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
-    if not 257 <= vocab_size <= 1 << 32:
+    if not 257 <= vocab_size <= MAX_VOCAB:
         raise UserError(
             f"usage error: --vocab-size must be from 257 (the 256 bytes and the end-of-text "
-            f"token) to 2**32, not {vocab_size}"
+            f"token) to {MAX_VOCAB} (2**24), not {vocab_size}"
         )
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
