@@ -39,7 +39,7 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.config import Config
 from dtrain.core.errors import UserError
-from dtrain.files import names
+from dtrain.files import names, outputs
 from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
 from dtrain.loop import evaluation
 from dtrain.observe import StartupClock, log, setup_logging
@@ -368,7 +368,12 @@ def main(args: argparse.Namespace) -> int:
                 "overrides": overrides,
                 "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             }
-            path = write_result(run_dir, chosen.name, result)
+            try:
+                path = write_result(run_dir, chosen.name, result)
+            except OSError as e:
+                # The metrics were computed: they are shown even when they cannot be kept.
+                print(_line(chosen, metrics, samples, "not saved"), flush=True)
+                raise outputs.output_error("eval", os.path.join(run_dir, EVALS), e) from None
             print(_line(chosen, metrics, samples, path), flush=True)
         dist.barrier()
         return 0

@@ -56,9 +56,14 @@ def output_error(command: str, where: str, error: OSError) -> UserError:
         reason = "the disk is full"
     else:
         reason = error.strerror or str(error)
+    advice = (
+        "free space or choose another --out"
+        if command != "eval"
+        else "free space or make it writable"
+    )
     return UserError(
         f"{command} error: cannot write into {where} ({reason}); nothing there was changed: "
-        f"free space or choose another --out"
+        f"{advice}"
     )
 
 
