@@ -512,3 +512,15 @@ def test_a_folder_of_validation_tokens_alone_builds_for_evaluation(tmp_path: Pat
     assert len(built.train) == 0 and len(built.val) == len(full.val) == 3000 // 64
     assert built.info == full.info
     assert all(torch.equal(built.val[i][0], full.val[i][0]) for i in (0, len(full.val) - 1))
+
+
+def test_text_from_a_device_or_a_pipe_is_refused_unread(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for root in ("/dev/zero", str(fifo)):  # reading either would never end
+        cfg = data_config(["data.name=text", f"data.root={root}", "data.text.seq_len=16"])
+        with pytest.raises(UserError, match=rf"^data error: '{root}' is neither a file nor a "
+                                            rf"folder \(a device, a pipe or a socket\)"):
+            build(cfg, 0)

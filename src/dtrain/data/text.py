@@ -50,6 +50,11 @@ def _text_files(path: str) -> list[str]:
     """A file itself, or the .txt files of a folder in name order."""
     if os.path.isfile(path):
         return [path]
+    if not os.path.isdir(path):  # a device (/dev/zero), a pipe, a socket: never read
+        raise UserError(
+            f"data error: '{path}' is neither a file nor a folder (a device, a pipe or a "
+            f"socket); set data.root to a UTF-8 text file or a folder of .txt files"
+        )
     return sorted(
         os.path.join(path, n)
         for n in os.listdir(path)
