@@ -543,3 +543,18 @@ def test_what_a_run_writes_in_its_directory_is_a_file_or_a_folder_of_its_own(tmp
     evals_link.mkdir()
     (evals_link / "config.yaml").symlink_to(tmp_path)
     check_run_dir_entries(str(evals_link), only=("evals",))  # eval writes evals/ alone
+
+
+@pytest.mark.parametrize("marker", ['{"save": 1}', '{"format": "zip", "files": {}}',
+                                    '{"format": "full", "files": {"checkpoint.pt": "12"}}', "[]"])
+def test_a_marker_that_is_not_a_saves_is_one_line(tmp_path, marker) -> None:
+    from dtrain.checkpoint.load import open_checkpoint
+    from dtrain.core.errors import UserError
+
+    folder = tmp_path / "step_000004"
+    folder.mkdir()
+    (folder / "COMPLETE").write_text(marker)
+    for given in (folder, folder / "COMPLETE"):
+        with pytest.raises(UserError, match=rf"^checkpoint error: {re.escape(str(folder))}/"
+                                            rf"COMPLETE is damaged or not a dtrain marker"):
+            open_checkpoint(str(given))

@@ -13,7 +13,7 @@ from torch import nn
 
 from dtrain.checkpoint import state as ckpt_state
 from dtrain.core.errors import UserError, first_line
-from dtrain.files.digests import MARKER, read_marker, verify_files
+from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_files
 from dtrain.process import dist
 from dtrain.process.compat import tree_map_tensors
 
@@ -25,6 +25,11 @@ def open_checkpoint(path: str) -> tuple[str, str]:
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     marker = read_marker(folder)
     if marker is None:
+        if marker_damaged(folder):
+            raise UserError(
+                f"checkpoint error: {os.path.join(folder, MARKER)} is damaged or not a dtrain "
+                f"marker; name another checkpoint"
+            )
         if os.path.isdir(path):
             raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
         return folder, "full"

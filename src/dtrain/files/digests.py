@@ -149,11 +149,22 @@ def read_marker(path: str) -> dict[str, Any] | None:
             marker = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict):
+    if not isinstance(marker, dict) or not _has_a_saves_keys(marker):
         return None
     if _SEAL in marker and marker[_SEAL] != _marker_digest(marker):
         return None
     return marker
+
+
+def _has_a_saves_keys(marker: dict[str, Any]) -> bool:
+    """What every save writes into its marker, of the kinds it writes: a format, and the files
+    with their sizes."""
+    files = marker.get("files", {})
+    return (
+        marker.get("format") in ("full", "sharded")
+        and isinstance(files, dict)
+        and all(isinstance(k, str) and type(v) is int for k, v in files.items())
+    )
 
 
 def marker_damaged(path: str) -> bool:
