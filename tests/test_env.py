@@ -133,3 +133,14 @@ def test_unnamed_run_takes_the_job_id() -> None:
     assert named.run.name == "mine"
     alone = resolve_run_name(Config(), detect({}))
     assert alone.run.name == "default"
+
+
+def test_rank_and_world_size_left_over_without_a_rendezvous_are_one_line() -> None:
+    with pytest.raises(UserError) as raised:
+        detect({"RANK": "0", "WORLD_SIZE": "2"})
+    assert str(raised.value) == (
+        "environment error: RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR and MASTER_PORT "
+        "not: left over from another launch? unset RANK and WORLD_SIZE to train in one "
+        "process, or start the ranks with torchrun")
+    one = detect({"RANK": "0", "WORLD_SIZE": "1"})  # a world of one needs no rendezvous
+    assert one.world_size == 1

@@ -61,11 +61,20 @@ def detect(environ: Mapping[str, str] = os.environ) -> Env:
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> Env:
-    world = _int(environ, "WORLD_SIZE")
+    rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if world > 1 and missing:
+        # torchrun (and any env:// launch) sets both: RANK and WORLD_SIZE alone are left over
+        # from another launch, and rank 0 would wait for ranks that never come.
+        raise UserError(
+            f"environment error: RANK={rank} and WORLD_SIZE={world} are set but "
+            f"{' and '.join(missing)} not: left over from another launch? unset RANK and "
+            f"WORLD_SIZE to train in one process, or start the ranks with torchrun"
+        )
     local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world
     return Env(
         launcher="torchrun",
-        rank=_int(environ, "RANK"),
+        rank=rank,
         local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
         world_size=world,
         local_world_size=local_world,
