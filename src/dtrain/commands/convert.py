@@ -31,6 +31,7 @@ from dtrain.checkpoint import state as ckpt_state
 from dtrain.checkpoint.load import open_checkpoint
 from dtrain.checkpoint.state import DCP_DIR, FULL_FILE, META_FILE
 from dtrain.core.errors import CheckpointError, UserError
+from dtrain.files import outputs
 from dtrain.files.digests import ALGORITHM, MARKER, read_marker, seal
 from dtrain.files.store import (
     CHECKPOINTS,
@@ -218,12 +219,15 @@ def _write(out: str, to: str, data: dict[str, Any], marker: dict[str, Any]) -> s
     into place; on any failure the temporary folder is removed and nothing else is changed."""
     final = os.path.abspath(out)
     parent, name = os.path.split(final)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     needed = ckpt_state.tensor_bytes(data)
     try:
-        os.makedirs(tmp)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:  # a read-only place, a full disk
+            raise outputs.output_error("convert", parent, e) from None
         try:
             digests = _write_files(tmp, to, data)
             files = file_sizes(tmp)
