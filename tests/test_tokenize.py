@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -464,3 +465,35 @@ def test_tokenizer_options_are_a_usage_error(args, message, tmp_path, capsys) ->
     code, err = run(capsys, "a.txt", "--out", str(tmp_path / "out"), *args)
     assert code == 2 and message in err and "usage: dtrain tokenize" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_earlier_token_files(tmp_path, capsys) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out = disk / "tokens"
+        inputs = write_docs_str(tmp_path)
+        code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "300")
+        assert code == 0, err
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(filler, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(filler)
+        code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "320", "--overwrite")
+        assert code == 2
+        assert err.strip().splitlines()[-1] == (
+            f"dtrain: tokenize error: cannot write into {out} (the disk is full); nothing there "
+            f"was changed: free space or choose another --out")
+        assert "Traceback" not in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

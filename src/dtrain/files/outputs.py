@@ -40,15 +40,24 @@ def staged(folder: str, command: str) -> Iterator[str]:
             for name in sorted(os.listdir(stage)):
                 os.replace(os.path.join(stage, name), os.path.join(folder or ".", name))
             fsync_dir(folder or ".")
-        except OSError as e:
-            raise output_error(command, folder or ".", e) from None
-        except RuntimeError as e:
-            # torch.save reports a failed write as a RuntimeError, not as the OSError beneath.
-            if shutil.disk_usage(stage).free > _NEARLY_FULL:
+        except (OSError, RuntimeError) as e:
+            failed = write_failure(command, folder or ".", e)
+            if failed is None:
                 raise
-            raise output_error(command, folder or ".", OSError(errno.ENOSPC, str(e))) from None
+            raise failed from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def write_failure(command: str, where: str, error: BaseException) -> UserError | None:
+    """A failed write as `output_error`'s line: an OSError, or what a library raised instead of
+    the OSError beneath (torch.save a RuntimeError, tokenizers a bare Exception) while the disk
+    is full; None for anything else."""
+    if isinstance(error, OSError):
+        return output_error(command, where, error)
+    if shutil.disk_usage(where).free <= _NEARLY_FULL:
+        return output_error(command, where, OSError(errno.ENOSPC, str(error)))
+    return None
 
 
 def output_error(command: str, where: str, error: OSError) -> UserError:

@@ -47,7 +47,7 @@ from dtrain.commands.tokenize.output import (
 )
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
-from dtrain.files import names
+from dtrain.files import names, outputs
 
 EOT = "<|endoftext|>"
 # The end-of-text tokens of common tokenizers (GPT-2 and most BPEs, Llama 3, Llama 2 and
@@ -219,7 +219,10 @@ def tokenize(
         "inputs": {"train": _inputs(train_sources), "val": _inputs(val_sources)},
     }
     created = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise outputs.output_error("tokenize", out, e) from None
     partial = {
         n: os.path.join(out, n + ".partial") for n in map(names.token_file, names.TOKEN_SPLITS)
     }
@@ -249,12 +252,16 @@ def tokenize(
             meta[key] = {name: getattr(split, key) for name, split in splits.items()}
         meta.update(about)
         publish(out, partial, meta)
-    except BaseException:
+    except BaseException as e:
         for path in [*partial.values(), index_path, os.path.join(out, "meta.json.partial")]:
             if os.path.exists(path):
                 os.remove(path)
         if created and not os.listdir(out):
             os.rmdir(out)
+        # A full disk: the files that were in `out` are as they were.
+        failed = outputs.write_failure("tokenize", out, e) if isinstance(e, Exception) else None
+        if failed is not None:
+            raise failed from None
         raise
     if os.path.exists(index_path):
         os.remove(index_path)
