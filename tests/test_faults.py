@@ -237,3 +237,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_dis
     assert not [p for p in (result.run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     json.loads((kept / "COMPLETE").read_text())
     torch.load(kept / "checkpoint.pt", weights_only=True)
+    # The same command again, the disk still full: one line, the kept checkpoint as it was.
+    again = launch(disk / "runs" / "r", [*common, "train.max_steps=6"])
+    assert again.returncode in (1, 2) and "Traceback" not in again.stderr, again.stderr[-3000:]
+    last = again.stderr.strip().splitlines()[-1]
+    assert last.startswith("dtrain: ") and "disk" in last and "full" in last, last
+    assert latest(again.run_dir) == kept and (kept / "checkpoint.pt").stat().st_size > 0

@@ -16,6 +16,11 @@ from dtrain.core.errors import UserError
 from dtrain.files.store import fsync_dir
 
 STAGING_PREFIX = ".dtrain-staging-"
+# What to do, by command (the others write to their --out).
+ADVICE = {
+    "eval": "free space or make it writable",
+    "train": "free space or make it writable, and launch again (the checkpoints are kept)",
+}
 # Free space below which a failed write is taken for a full disk (a file system keeps a few
 # blocks it does not hand out).
 _NEARLY_FULL = 1 << 20
@@ -65,11 +70,7 @@ def output_error(command: str, where: str, error: OSError) -> UserError:
         reason = "the disk is full"
     else:
         reason = error.strerror or str(error)
-    advice = (
-        "free space or choose another --out"
-        if command != "eval"
-        else "free space or make it writable"
-    )
+    advice = ADVICE.get(command, "free space or choose another --out")
     return UserError(
         f"{command} error: cannot write into {where} ({reason}); nothing there was changed: "
         f"{advice}"

@@ -17,9 +17,9 @@ from dtrain import checkpoint, data, models
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
-from dtrain.files import names
+from dtrain.files import names, outputs
 from dtrain.files.resume_policy import is_length_change
-from dtrain.files.store import RunDirLock, Store, check_run_dir_entries
+from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
@@ -217,8 +217,10 @@ def _train(
     # record and its config.yaml are written only now.
     record.start(run_dir, resuming=resumed is not None)
     if dist.is_main():
-        with open(os.path.join(run_dir, names.CONFIG), "w", encoding="utf-8") as f:
-            f.write(dump(cfg))
+        try:
+            write_atomic(os.path.join(run_dir, names.CONFIG), dump(cfg).encode("utf-8"))
+        except OSError as e:  # a full disk at the start of a resume: one line, nothing lost
+            raise outputs.output_error("train", run_dir, e) from None
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     pieces.notes.append(optim.describe_groups(optimizer))
     clock.mark("run directory and resume")
