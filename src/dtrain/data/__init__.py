@@ -65,8 +65,9 @@ def build(
     return builder(settled, seed)
 
 
-def sizes(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
-    """What `build` would give, as lengths and `info` only: no sample is read (`dtrain plan`)."""
+def sizes_of(cfg: DataConfig, seed: int, model_args: dict | None = None) -> Datasets:
+    """What `build` would give, as lengths and `info` only: no sample is read (`dtrain plan`;
+    the functions are in data/sizes.py, hence the name)."""
     return registry.DATASETS.sizes(cfg.name)(_settled(cfg, model_args), seed)
 
 

@@ -40,7 +40,7 @@ class ModelFacts:
 def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     layout = launch(cfg, nproc, nnodes)
     device, device_bytes, warnings = device_memory(layout)
-    shapes = data.sizes(cfg.data, cfg.run.seed, cfg.model.args)
+    shapes = data.sizes_of(cfg.data, cfg.run.seed, cfg.model.args)
     with torch.device("meta"):
         model = models.build(cfg.model, shapes.info, cfg.run.seed)
     wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
