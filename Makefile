@@ -8,7 +8,7 @@ PYTHON  ?= python3
 NPROC   ?= 2
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
-# Three, on two cores: a third of the suite waits (on rendezvous, SLURM, timeouts) rather than
+# Three, on two cores: part of the suite waits (on rendezvous, SLURM, timeouts) rather than
 # computes.
 TEST_WORKERS ?= 3
 PY      := $(VENV)/bin/python
