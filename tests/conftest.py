@@ -228,6 +228,7 @@ SERVICES = ("tests/test_slurm.py", "tests/test_multinode.py", "tests/test_elasti
             "tests/test_sweep.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of xdist's: unknown where it is not loaded)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's own types
     """Under `pytest -n N`: each file's tests share a worker (and so their module fixtures, which
     train once for many tests); the files of SERVICES share one."""
