@@ -60,7 +60,10 @@ def write_failure(command: str, where: str, error: BaseException) -> UserError |
     is full; None for anything else."""
     if isinstance(error, OSError):
         return output_error(command, where, error)
-    if shutil.disk_usage(where).free <= _NEARLY_FULL:
+    existing = os.path.abspath(where)
+    while not os.path.exists(existing):  # (a folder made for the output may be gone again)
+        existing = os.path.dirname(existing)
+    if shutil.disk_usage(existing).free <= _NEARLY_FULL:
         return output_error(command, where, OSError(errno.ENOSPC, str(error)))
     return None
 

@@ -259,7 +259,11 @@ def tokenize(
         if created and not os.listdir(out):
             os.rmdir(out)
         # A full disk: the files that were in `out` are as they were.
-        failed = outputs.write_failure("tokenize", out, e) if isinstance(e, Exception) else None
+        failed = (
+            outputs.write_failure("tokenize", out, e)
+            if isinstance(e, Exception) and not isinstance(e, UserError)
+            else None
+        )
         if failed is not None:
             raise failed from None
         raise
