@@ -220,6 +220,39 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs" / "run"
 
 
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """`mount(options, name)`: a tmpfs at tmp_path/name (`size=256k`, `ro,size=64k`: a full or a
+    read-only disk), unmounted after the test; the test is skipped where none can be mounted."""
+    mounted: list[Path] = []
+
+    def mount(options: str, name: str = "disk") -> Path:
+        where = tmp_path / name
+        where.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def fill_disk(folder: Path) -> None:
+    """Take the rest of the disk `folder` is on, with folder/filler."""
+    filler = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(filler, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(filler)
+
+
 
 # The files whose tests use the SLURM clusters or the test hosts: under `make test` (pytest -n N)
 # they run on one worker, one test at a time, as those services expect (two at once would wait

@@ -5,7 +5,6 @@ checkpoint by its run directory."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, TRAIN, child_env, dtrain, latest
+from conftest import REPO, TINY, TRAIN, child_env, dtrain, fill_disk, latest
 
 COMMANDS = ["train", "plan", "doctor", "export", "verify", "runs", "tokenize", "sweep", "convert", "eval"]
 
@@ -94,52 +93,29 @@ def trained(tmp_path_factory) -> Path:
     return out_dir / "mixed"
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-
-
 def test_an_export_that_cannot_be_written_leaves_the_earlier_one_and_says_why(
-        trained, tmp_path) -> None:
+        trained, tmp_path, tmpfs) -> None:
     """A full disk, a read-only place, a directory at --out: one line, exit 2, and the good
     export that was at --out as it was (written beside it under a hidden name, then renamed)."""
-    disk = tmp_path / "small"
-    _mount_tmpfs(disk, "size=512k")
-    try:
-        out = disk / "model.pt"
-        first = dtrain("export", "--out", str(out), "--run", str(trained))
-        assert first.returncode == 0, first.stderr
-        good = out.read_bytes()
-        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
-        try:
-            while os.write(filler, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(filler)
-        full = dtrain("export", "--out", str(out), "--run", str(trained))
-        assert full.returncode == 2, full.stderr
-        assert full.stderr.strip().splitlines() == [
-            f"dtrain: export error: cannot write into {disk} (the disk is full); nothing there "
-            f"was changed: free space or choose another --out"]
-        assert out.read_bytes() == good
-        assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
-    read_only = tmp_path / "read_only"
-    _mount_tmpfs(read_only, "ro,size=64k")
-    try:
-        refused = dtrain("export", "--out", str(read_only / "model.pt"), "--run", str(trained))
-        assert refused.returncode == 2
-        assert refused.stderr.strip().splitlines() == [
-            f"dtrain: export error: cannot write into {read_only} (Read-only file system); "
-            f"nothing there was changed: free space or choose another --out"]
-    finally:
-        subprocess.run(["umount", str(read_only)], capture_output=True)
+    disk = tmpfs("size=512k", "small")
+    out = disk / "model.pt"
+    first = dtrain("export", "--out", str(out), "--run", str(trained))
+    assert first.returncode == 0, first.stderr
+    good = out.read_bytes()
+    fill_disk(disk)
+    full = dtrain("export", "--out", str(out), "--run", str(trained))
+    assert full.returncode == 2, full.stderr
+    assert full.stderr.strip().splitlines() == [
+        f"dtrain: export error: cannot write into {disk} (the disk is full); nothing there "
+        f"was changed: free space or choose another --out"]
+    assert out.read_bytes() == good
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
+    read_only = tmpfs("ro,size=64k", "read_only")
+    refused = dtrain("export", "--out", str(read_only / "model.pt"), "--run", str(trained))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"dtrain: export error: cannot write into {read_only} (Read-only file system); "
+        f"nothing there was changed: free space or choose another --out"]
     folder = tmp_path / "a_folder"
     folder.mkdir()
     onto = dtrain("export", "--out", str(folder), "--run", str(trained))

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -124,18 +123,10 @@ def test_out_that_exists_is_refused_and_left_alone(sharded, tmp_path, capsys) ->
     assert sorted(os.listdir(tmp_path)) == ["converted", "empty", "file.pt"]
 
 
-def test_out_on_a_read_only_place_is_one_line(sharded, tmp_path, capsys) -> None:
-    place = tmp_path / "read_only"
-    place.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(place)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        code, out, err = convert(capsys, "--checkpoint", sharded, "--to", "full", "--out",
-                                 place / "full")
-    finally:
-        subprocess.run(["umount", str(place)], capture_output=True)
+def test_out_on_a_read_only_place_is_one_line(sharded, capsys, tmpfs) -> None:
+    place = tmpfs("ro,size=64k", "read_only")
+    code, out, err = convert(capsys, "--checkpoint", sharded, "--to", "full", "--out",
+                             place / "full")
     assert code == 2 and out == ""
     assert err.strip().splitlines() == [
         f"dtrain: convert error: cannot write into {place} (Read-only file system); nothing "

@@ -372,27 +372,18 @@ def test_ema_weights_evaluate_to_the_runs_own_ema_metrics(runs, name, nproc) -> 
 
 
 def test_on_a_read_only_run_directory_the_metrics_are_shown_and_the_failure_is_one_line(
-        single, tmp_path) -> None:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        run_dir = disk / "run"
-        shutil.copytree(single.run_dir, run_dir)
-        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-        proc = subprocess.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run_dir)],
-                              cwd=REPO, env=child_env(), text=True, capture_output=True,
-                              timeout=300)
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        expected = final_evaluation(single)
-        [line] = proc.stdout.strip().splitlines()
-        assert line.endswith("-> not saved") and f"val_loss {expected['val_loss']:.6g}" in line
-        assert proc.stderr.strip().splitlines()[-1] == (
-            f"dtrain: eval error: cannot write into {run_dir / 'evals'} (Read-only file system); "
-            f"nothing there was changed: free space or make it writable")
-        assert "Traceback" not in proc.stderr
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+        single, tmpfs) -> None:
+    disk = tmpfs("size=64m")
+    run_dir = disk / "run"
+    shutil.copytree(single.run_dir, run_dir)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    proc = subprocess.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run_dir)],
+                          cwd=REPO, env=child_env(), text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    expected = final_evaluation(single)
+    [line] = proc.stdout.strip().splitlines()
+    assert line.endswith("-> not saved") and f"val_loss {expected['val_loss']:.6g}" in line
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dtrain: eval error: cannot write into {run_dir / 'evals'} (Read-only file system); "
+        f"nothing there was changed: free space or make it writable")
+    assert "Traceback" not in proc.stderr

@@ -184,31 +184,17 @@ def test_clock() -> None:
     assert clock(65, always_hours=True) == "0:01:05"
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def test_a_damaged_metrics_file_is_kept_readable_and_never_stops_a_resume(tmp_path: Path) -> None:
+def test_a_damaged_metrics_file_is_kept_readable_and_never_stops_a_resume(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Bytes that are not UTF-8, a NUL, a line that is not a record: left out with a warning;
     every readable record up to the resumed step stays, in order."""
-    setup_logging(rank=0, all_ranks=False)
-    seen = _Lines()
-    log.addHandler(seen)
-    try:
-        path = tmp_path / "metrics.jsonl"
-        good = [json.dumps({"step": s, "epoch": 0, "loss": 1.0}) + "\n" for s in range(1, 6)]
-        path.write_bytes("".join(good[:2]).encode() + b"\xff\xfe garbage\n" + good[2].encode()
-                         + b"\x00\x00\n" + b"[1, 2]\n" + "".join(good[3:]).encode()
-                         + b'{"step": true}\n\x89PNG')
-        RunLog(load(None, ["log.tensorboard=false"]), str(tmp_path), True, 4).close()
-    finally:
-        log.removeHandler(seen)
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "epoch": 0, "loss": 1.0}) + "\n" for s in range(1, 6)]
+    path.write_bytes("".join(good[:2]).encode() + b"\xff\xfe garbage\n" + good[2].encode()
+                     + b"\x00\x00\n" + b"[1, 2]\n" + "".join(good[3:]).encode()
+                     + b'{"step": true}\n\x89PNG')
+    RunLog(load(None, ["log.tensorboard=false"]), str(tmp_path), True, 4).close()
     assert path.read_text(encoding="utf-8") == "".join(good[:4])
-    assert [line for line in seen.lines if "cannot be read" in line] == [
+    assert [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()] == [
         f"{path}: left out 5 line(s) that cannot be read (torn by a kill, or damaged); the "
         f"other records are kept"]

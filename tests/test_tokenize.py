@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import datasets
 import numpy as np
 import pytest
 import tokenizers
-from conftest import dtrain
+from conftest import dtrain, fill_disk
 
 # In-process commands run under torch's error recorder, which cannot install its fault handler
 # on pytest's captured stderr and says so.
@@ -467,33 +466,18 @@ def test_tokenizer_options_are_a_usage_error(args, message, tmp_path, capsys) ->
     assert not (tmp_path / "out").exists()
 
 
-def test_a_full_disk_is_one_line_and_leaves_the_earlier_token_files(tmp_path, capsys) -> None:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        out = disk / "tokens"
-        inputs = write_docs_str(tmp_path)
-        code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "300")
-        assert code == 0, err
-        before = {p.name: p.read_bytes() for p in out.iterdir()}
-        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(filler, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(filler)
-        code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "320", "--overwrite")
-        assert code == 2
-        assert err.strip().splitlines()[-1] == (
-            f"dtrain: tokenize error: cannot write into {out} (the disk is full); nothing there "
-            f"was changed: free space or choose another --out")
-        assert "Traceback" not in err
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+def test_a_full_disk_is_one_line_and_leaves_the_earlier_token_files(tmp_path, capsys,
+                                                                      tmpfs) -> None:
+    out = tmpfs("size=256k") / "tokens"
+    inputs = write_docs_str(tmp_path)
+    code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "300")
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fill_disk(out.parent)
+    code, err = run(capsys, *inputs, "--out", str(out), "--vocab-size", "320", "--overwrite")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"dtrain: tokenize error: cannot write into {out} (the disk is full); nothing there "
+        f"was changed: free space or choose another --out")
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
