@@ -32,21 +32,22 @@ def staged(folder: str, command: str) -> Iterator[str]:
     under their final names; when the block ends without an error, each file is flushed and
     renamed into `folder`. An OSError while writing or renaming is one line for `command`
     ('export', ...) naming the place and the reason."""
+    folder = folder or "."
     try:
-        os.makedirs(folder or ".", exist_ok=True)
-        stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder or ".")
+        os.makedirs(folder, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder)
     except OSError as e:
-        raise output_error(command, folder or ".", e) from None
+        raise output_error(command, folder, e) from None
     try:
         try:
             yield stage
             for name in sorted(os.listdir(stage)):
                 _flush(os.path.join(stage, name))
             for name in sorted(os.listdir(stage)):
-                os.replace(os.path.join(stage, name), os.path.join(folder or ".", name))
-            fsync_dir(folder or ".")
+                os.replace(os.path.join(stage, name), os.path.join(folder, name))
+            fsync_dir(folder)
         except (OSError, RuntimeError) as e:
-            failed = write_failure(command, folder or ".", e)
+            failed = write_failure(command, folder, e)
             if failed is None:
                 raise
             raise failed from None
