@@ -215,6 +215,16 @@ def assert_workers_resume_bit_exactly(runs: Path, overrides: list[str]) -> None:
     assert resumed.losses() == straight.losses()
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 server (moto's) on 127.0.0.1 for this worker's tests; `s3.bucket()` makes each
+    test its own bucket."""
+    import s3server
+    server = s3server.start()
+    yield server
+    s3server.stop(server)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs" / "run"

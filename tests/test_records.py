@@ -16,6 +16,7 @@ from conftest import REPO, TINY, TRAIN, child_env, dtrain, launch, wait_for_step
 
 from dtrain import cli, config
 from dtrain.run import records
+from dtrain.files import store
 from dtrain.loop.state import TrainState
 
 
@@ -110,7 +111,7 @@ def _hammer(out_dir: str, name: str, count: int) -> None:
     cfg = config.load(None, [f"run.name={name}", f"run.out_dir={out_dir}"])
     described = {"model": cfg.model.name, "lr": str(cfg.optim.lr)}
     record = records.RunRecord(out_dir, name, described, cfg.ckpt, world_size=1, is_main=True)
-    record.start(os.path.join(out_dir, name), resuming=False)
+    record.start(store.Store(os.path.join(out_dir, name)), resuming=False)
     for step in range(1, count + 1):
         record.update(TrainState(step=step))
     record.update(TrainState(step=count), "finished")

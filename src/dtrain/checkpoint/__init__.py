@@ -29,7 +29,14 @@ from torch import nn
 import dtrain
 from dtrain.checkpoint import digest
 from dtrain.checkpoint import state as ckpt_state
-from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
+from dtrain.checkpoint.load import (
+    ConfigChanged,
+    apply_full,
+    apply_sharded,
+    check_config,
+    local_folder,
+    open_checkpoint,
+)
 from dtrain.checkpoint.state import (
     DCP_DIR,
     FORMAT_VERSION,
@@ -38,9 +45,9 @@ from dtrain.checkpoint.state import (
     load_file,
 )
 from dtrain.config import CkptConfig
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
-from dtrain.files.resume_policy import is_length_change, training_differences
+from dtrain.files.objstore import is_url
 from dtrain.files.store import (
     LATEST,
     MARKER,
@@ -95,11 +102,6 @@ class Resumed:
     path: str
     step: int
     world_size: int
-
-
-class ConfigChanged(UserError):
-    """The checkpoint was made by a config that trains something else: not a damaged checkpoint
-    to fall back from, but a question for the user."""
 
 
 class Checkpointer:
@@ -176,6 +178,7 @@ class Checkpointer:
         )
         name = checkpoint_name(state.step, state.epoch, ckpt.monitor, value)
         tmp = dist.on_main(lambda: self.store.begin(name))
+        os.makedirs(tmp, exist_ok=True)  # on every node: where each rank's files go first
         meta = {
             "format_version": FORMAT_VERSION,
             "format": self.format,
@@ -263,19 +266,24 @@ class Checkpointer:
                 else:
                     writer = ckpt_state.write_sharded(tmp, payload, group)
                 own_files = digest.own_files(os.path.join(tmp, DCP_DIR), dist.rank(), writer)
+                self.store.upload(name, tmp, list(own_files[0]))  # the store is not this disk
         except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
             if isinstance(e, KeyboardInterrupt):
                 raise
-            error = error_of_save(e, name, self.store.dir, needed)
+            error = error_of_save(e, name, self.store.dir, needed, self.store.location)
         reports = dist.gather_objects(own_files, group) if self.format == "sharded" else []
         if dist.is_main() and error is None:
             try:
                 self._publish(name, tmp, payload, meta, marker, reports)
-            except (OSError, RuntimeError) as e:
-                error = error_of_save(e, name, self.store.dir, needed)
+            except Exception as e:  # noqa: BLE001 - a disk's or an object store's failure
+                error = error_of_save(e, name, self.store.dir, needed, self.store.location)
         if dist.any_rank(error is not None, self._save_device, group):
             if dist.is_main():
                 shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    self.store.discard(name)
+                except Exception as e:  # noqa: BLE001 - removed at the next start then
+                    log.warning(f"could not remove the failed save {name}: {first_line(e)}")
             raise error or CheckpointError(
                 f"checkpoint error: saving {name} failed on another "
                 f"rank; the previous checkpoint is kept"
@@ -300,6 +308,7 @@ class Checkpointer:
         for sizes, shard_digests in reports:
             files.update(sizes)
             digests.update(shard_digests)
+        self.store.upload(name, tmp, [own])
         final = self.store.publish(name, tmp, marker, files, digests)
         log.info(f"saved checkpoint {final}")
         ckpt = self.ckpt
@@ -346,7 +355,7 @@ class Checkpointer:
             failed.append(path)
         if failed:
             log.warning(
-                f"no usable checkpoint in {self.store.dir} "
+                f"no usable checkpoint in {self.store.location} "
                 f"({', '.join(map(os.path.basename, failed))} unusable): fresh start"
             )
             self._supersede(lambda entries: entries, "unusable checkpoints", records=True)
@@ -354,7 +363,7 @@ class Checkpointer:
             # gradients and lr 0: momentum buffers, Adam's step count). A fresh start needs none.
             self.optimizer.state.clear()
         else:
-            log.info(f"no checkpoint in {self.store.dir}: fresh start")
+            log.info(f"no checkpoint in {self.store.location}: fresh start")
         return None
 
     def _resume_from(self, choice: str) -> Resumed:
@@ -362,7 +371,7 @@ class Checkpointer:
         that is not the newest is a rewind: the ones saved after it are moved aside; one of
         another directory starts a new history here."""
         path = choice[: -len(FULL_FILE) - 1] if choice.endswith(FULL_FILE) else choice
-        if not os.path.exists(path):
+        if not is_url(path) and not os.path.exists(path):
             raise UserError(f"checkpoint error: ckpt.resume: {choice} not found")
         problem = self._try_load(path)
         if problem:
@@ -411,23 +420,31 @@ class Checkpointer:
         return problem
 
     def _load(self, path: str) -> None:
-        """Read the checkpoint, check it against the model and the config, then apply it."""
+        """Read the checkpoint, check it against the model and the config, then apply it. One
+        in an object store is read from a local copy, removed once it was applied."""
+        into = os.path.join(self.store.dir, f".fetched-{dist.rank()}")
+        local = local_folder(path, into, self.store.options)
+        shown = path.rstrip("/") if is_url(path) else None
 
         def read() -> tuple[str, str, dict[str, Any]]:
-            folder, fmt = open_checkpoint(path)
+            folder, fmt = open_checkpoint(local)
+            named = shown or folder
             if fmt == "full":  # verified against the marker's digest before it is applied
                 data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
                 meta = {k: v for k, v in data.items() if k not in ("model", "optimizer", "ema")}
-                self._check_shapes(folder, {k: tuple(v.shape) for k, v in data["model"].items()})
+                self._check_shapes(named, {k: tuple(v.shape) for k, v in data["model"].items()})
                 self._full_data = data  # kept on rank 0 only; the others receive what they need
             else:
                 meta = ckpt_state.load_checked(os.path.join(folder, META_FILE))
-                self._check_shapes(folder, ckpt_state.dcp_model_shapes(folder))
+                self._check_shapes(named, ckpt_state.dcp_model_shapes(folder))
             return folder, fmt, meta
 
         try:
             folder, fmt, meta = dist.on_main(read)
-            self._check_config(meta, folder)
+            folder = local if shown else folder
+            self.config_changes = check_config(
+                meta.get("config", {}), self.config, self.ckpt, shown or folder
+            )
             # The average is read with the rest and taken only after the rest was applied.
             ema = self.ema.staging(folder, fmt, self._full_data, self.device) if self.ema else None
             if fmt == "full":
@@ -438,29 +455,9 @@ class Checkpointer:
                 self.ema.apply(ema)
         finally:
             self._full_data = None
-        self._restore_meta(meta, folder)
-
-    def _check_config(self, meta: dict[str, Any], folder: str) -> None:
-        changes = training_differences(meta.get("config", {}), self.config)
-        # A longer or shorter run trains the same thing: the run applies it (and says what the
-        # schedule does, ckpt.on_length_change); only the other changes need `allow`.
-        self.config_changes = changes
-        changes = [c for c in changes if not is_length_change(c)]
-        if not changes:
-            return
-        shown = "; ".join(changes[:6]) + (
-            f"; and {len(changes) - 6} more" if len(changes) > 6 else ""
-        )
-        if self.ckpt.resume_config_change != "allow":
-            raise ConfigChanged(
-                f"checkpoint error: {folder} was saved by a config that trains "
-                f"something else ({shown}); to continue it on purpose set "
-                f"ckpt.resume_config_change=allow, or start anew with "
-                f"ckpt.resume=none or another run.name"
-            )
-        log.warning(
-            f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): {shown}"
-        )
+            if shown:
+                shutil.rmtree(into, ignore_errors=True)
+        self._restore_meta(meta, shown or folder)
 
     def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
         """Refuse a checkpoint of another model before anything is loaded into this one."""

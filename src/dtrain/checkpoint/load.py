@@ -12,8 +12,13 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint import state as ckpt_state
+from dtrain.config import CkptConfig
 from dtrain.core.errors import UserError, first_line
+from dtrain.core.logs import log
 from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_files
+from dtrain.files.objstore import is_url
+from dtrain.files.remote_store import fetch_checkpoint
+from dtrain.files.resume_policy import is_length_change, training_differences
 from dtrain.process import dist
 from dtrain.process.compat import tree_map_tensors
 
@@ -37,6 +42,47 @@ def open_checkpoint(path: str) -> tuple[str, str]:
     if wrong:
         raise UserError(f"checkpoint error: {folder}: {wrong} (truncated or damaged)")
     return folder, marker["format"]
+
+
+class ConfigChanged(UserError):
+    """The checkpoint was made by a config that trains something else: not a damaged checkpoint
+    to fall back from, but a question for the user."""
+
+
+def check_config(
+    saved: dict[str, Any], config: dict[str, Any], ckpt: CkptConfig, folder: str
+) -> list[str]:
+    """The training keys `config` changed since the checkpoint's `saved` config (all of them,
+    length changes included); ConfigChanged unless only the run's length changed or the user
+    allows changes (ckpt.resume_config_change=allow)."""
+    every = training_differences(saved, config)
+    # A longer or shorter run trains the same thing: the run applies it (and says what the
+    # schedule does, ckpt.on_length_change); only the other changes need `allow`.
+    changes = [c for c in every if not is_length_change(c)]
+    if not changes:
+        return every
+    shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+    if ckpt.resume_config_change != "allow":
+        raise ConfigChanged(
+            f"checkpoint error: {folder} was saved by a config that trains "
+            f"something else ({shown}); to continue it on purpose set "
+            f"ckpt.resume_config_change=allow, or start anew with "
+            f"ckpt.resume=none or another run.name"
+        )
+    log.warning(
+        f"resuming {folder} with a changed config (ckpt.resume_config_change=allow): {shown}"
+    )
+    return every
+
+
+def local_folder(path: str, into: str, options: dict[str, Any]) -> str:
+    """`path` itself, or for a checkpoint in an object store its local copy below `into` (of a
+    full checkpoint, only rank 0 reads the files; the others the marker)."""
+    if not is_url(path):
+        return path
+    return fetch_checkpoint(
+        path, into, options, lambda marker: marker.get("format") != "full" or dist.is_main()
+    )
 
 
 def apply_full(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,9 +20,12 @@ from dtrain.files.digests import (
     digests_of,
     file_digest,
     marker_damaged,
+    parse_marker,
     read_marker,
     verify_files,
 )
+from dtrain.files.objstore import ObjectStore, is_url
+from dtrain.files.remote_store import fetch_checkpoint
 
 
 def _check(folder: str, marker: dict[str, Any], threads: int) -> tuple[str, str]:
@@ -92,28 +97,55 @@ def _subfolders(path: str) -> list[str]:
     )
 
 
+def remote_checkpoints_of(url: str) -> tuple[list[str], bool]:
+    """`checkpoints_of` for a URL: a checkpoint, a run directory or its checkpoints/ folder."""
+    objects = ObjectStore(url)
+    try:
+        if objects.cat(MARKER) is not None:
+            return [objects.url], True
+        below = objects if url.rstrip("/").endswith(CHECKPOINTS) else objects.child(CHECKPOINTS)
+        folders = below.folders()
+    except Exception as e:  # noqa: BLE001 - the store's failure as one line
+        raise objects.error(e, "read") from None
+    if not folders and not objects.exists():
+        raise UserError(f"verify error: {url} not found")
+    return [below.url_of(n) for n in folders], False
+
+
+def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
+    objects = ObjectStore(url)
+    data = objects.cat(MARKER)
+    if data is None:
+        return "incomplete", f"no {MARKER} marker: an interrupted save, never loaded"
+    marker = parse_marker(data)
+    if marker is None:
+        return "damaged", f"its {MARKER} marker is not what the save wrote: changed since"
+    try:
+        local = fetch_checkpoint(url, into, {})
+    except UserError as e:
+        return "damaged", str(e).removeprefix("checkpoint error: ")
+    try:
+        return _check(local, marker, threads)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def run(path: str, threads: int = 4) -> int:
     """Check every checkpoint `path` names; print one line each and a summary. Exit status: 0
-    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise."""
-    folders, single = checkpoints_of(path)
+    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise. In an
+    object store, each is fetched (to a temporary folder) and checked as on a disk."""
+    remote = is_url(path)
+    folders, single = remote_checkpoints_of(path) if remote else checkpoints_of(path)
     counts = {"intact": 0, "damaged": 0, "unverified": 0, "incomplete": 0}
-    for folder in folders:
-        marker = read_marker(folder)
-        if marker_damaged(folder):
-            verdict = "damaged"
-            details = f"its {MARKER} marker is not what the save wrote: changed since"
-        elif marker is None:
-            verdict = "incomplete"
-            details = f"no {MARKER} marker: an interrupted save, never loaded"
-        else:
-            try:
-                verdict, details = _check(folder, marker, threads)
-            except OSError as e:
-                if not os.path.isdir(folder):  # rotated away by a running job meanwhile
-                    continue
-                verdict, details = "damaged", f"unreadable: {e}"
-        counts[verdict] += 1
-        print(f"{verdict:<10}  {folder}: {details}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dtrain-verify-") as into:
+        for folder in folders:
+            verdict, details = (
+                _remote_verdict(folder, into, threads) if remote else _verdict(folder, threads)
+            )
+            if verdict == "gone":
+                continue
+            counts[verdict] += 1
+            print(f"{verdict:<10}  {folder}: {details}", flush=True)
     if not folders:
         print(f"no checkpoints in {path}")
     damaged = counts["damaged"] + (counts["incomplete"] if single else 0)
@@ -123,6 +155,21 @@ def run(path: str, threads: int = 4) -> int:
     return 1 if damaged else 0
 
 
+def _verdict(folder: str, threads: int) -> tuple[str, str]:
+    """(verdict, details) of one checkpoint folder on a disk; 'gone' when it went meanwhile."""
+    marker = read_marker(folder)
+    if marker_damaged(folder):
+        return "damaged", f"its {MARKER} marker is not what the save wrote: changed since"
+    if marker is None:
+        return "incomplete", f"no {MARKER} marker: an interrupted save, never loaded"
+    try:
+        return _check(folder, marker, threads)
+    except OSError as e:
+        if not os.path.isdir(folder):  # rotated away by a running job meanwhile
+            return "gone", ""
+        return "damaged", f"unreadable: {e}"
+
+
 def main(args: argparse.Namespace) -> int:
     given = [p for p in (args.path, args.run, args.checkpoint) if p is not None]
     if len(given) != 1:
@@ -130,6 +177,8 @@ def main(args: argparse.Namespace) -> int:
             "verify error: name one run directory or checkpoint (PATH, --run-dir DIR or "
             "--checkpoint PATH)"
         )
+    if is_url(given[0]):
+        return run(given[0])
     if args.checkpoint is not None and not os.path.exists(os.path.join(args.checkpoint, MARKER)):
         if os.path.isdir(args.checkpoint):
             print(f"{'incomplete':<10}  {args.checkpoint}: no {MARKER} marker")

@@ -37,6 +37,7 @@ from dtrain.config.schema import (
     TaskConfig,
     TrainConfig,
 )
+from dtrain.core import urls
 from dtrain.core.errors import UserError
 
 # The schema (sections, keys, defaults, checks and docs) lives in schema.py; every name is
@@ -229,6 +230,12 @@ def _cross_checks(cfg: Config) -> None:
     from dtrain.config import registry  # the names extension points know (imports nothing heavy)
 
     registry.check_names(cfg)
+    urls.check_location(cfg.run.out_dir, "run.out_dir")
+    if cfg.ckpt.resume not in ("auto", "none"):
+        urls.check_location(cfg.ckpt.resume, "ckpt.resume")
+    if cfg.model.init_from:
+        urls.check_location(cfg.model.init_from, "model.init_from")
+    urls.check_options(cfg.run.storage_options)
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(
         isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas

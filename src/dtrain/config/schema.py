@@ -24,6 +24,7 @@ from dtrain.config.fields import (
     POSITIVE,
     option,
 )
+from dtrain.core.urls import is_url, join, staging_dir
 
 # The name of a run started without a config file, a SLURM job or run.name.
 DEFAULT_RUN_NAME = "default"
@@ -45,6 +46,23 @@ class RunConfig:
         doc="the one seed: model init, data order, augmentation, per-rank randomness",
     )
     private: bool = option(True, doc="run directories 0700 and files 0600 (owner only)")
+    storage_options: dict = option(
+        {},
+        doc="for run.out_dir, ckpt.resume, model.init_from and data.root in an object store: "
+        "s3fs's options beyond the environment's (e.g. `{client_kwargs: {endpoint_url: ...}}`); "
+        "never credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)",
+    )
+    staging_dir: str = option(
+        "",
+        doc="a run in an object store: the node-local folder for its records and checkpoint "
+        "files before upload; default: a folder of the system's temporary directory",
+    )
+    upload_every_s: float = option(
+        60.0,
+        check=POSITIVE,
+        doc="a run in an object store: seconds between uploads of its records (also at every "
+        "checkpoint and at exit)",
+    )
 
 
 @dataclass(frozen=True)
@@ -448,5 +466,14 @@ class Config:
         return self.run.name or DEFAULT_RUN_NAME
 
     @property
+    def run_url(self) -> str | None:
+        """The run directory in an object store (run.out_dir is a URL), else None."""
+        return join(self.run.out_dir, self.run_name) if is_url(self.run.out_dir) else None
+
+    @property
     def run_dir(self) -> str:
+        """Where this process writes the run's files: the run directory, or for a run in an
+        object store this node's staging folder (uploaded from there)."""
+        if self.run_url:
+            return staging_dir(self.run_url, self.run.staging_dir)
         return os.path.join(self.run.out_dir, self.run_name)

@@ -145,9 +145,21 @@ def read_marker(path: str) -> dict[str, Any] | None:
     """The marker of the checkpoint folder `path`, or None when there is none, it is not JSON,
     or its own digest does not match its content (markers written before the seal have none)."""
     try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
+        with open(os.path.join(path, MARKER), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return parse_marker(data)
+
+
+def parse_marker(data: bytes | None) -> dict[str, Any] | None:
+    """A marker's bytes as read (from a disk or an object store), or None when they are not one
+    that can be trusted."""
+    if data is None:
+        return None
+    try:
+        marker = json.loads(data.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
         return None
     if not isinstance(marker, dict) or not _has_a_saves_keys(marker):
         return None

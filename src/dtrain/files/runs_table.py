@@ -9,9 +9,13 @@ import csv
 import fcntl
 import io
 import os
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
 
 from dtrain.core.logs import log
+from dtrain.files import names
+from dtrain.files.objstore import ObjectStore, PreconditionFailed
 
 COLUMNS = (
     "name",
@@ -52,6 +56,11 @@ def read(path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
             raw = f.read()
     except FileNotFoundError:
         return {}, []
+    return parse(raw, path)
+
+
+def parse(raw: bytes, path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """`read`'s rows and extra columns from the table's bytes (read from a disk or a store)."""
     lines, damaged = [], 0
     for line in raw.splitlines(keepends=True):
         try:
@@ -88,13 +97,50 @@ def locked(path: str) -> Iterator[dict[str, dict[str, str]]]:
         yield rows
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra_columns], restval="")
-                writer.writeheader()
-                writer.writerows(rows.values())
+            with open(tmp, "wb") as f:
+                f.write(render(rows, extra_columns))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):  # a failed write leaves the old table as it was
                 os.remove(tmp)
+
+
+def render(rows: dict[str, dict[str, str]], extra_columns: list[str]) -> bytes:
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=[*COLUMNS, *extra_columns], restval="")
+    writer.writeheader()
+    writer.writerows(rows.values())
+    return out.getvalue().encode("utf-8")
+
+
+class Table:
+    """runs.csv of an out_dir on a disk (`path`) or in an object store (`objects`, the out_dir's
+    prefix). A change in the store rewrites the table only if it is still the version that was
+    read (If-Match; If-None-Match for a new one), and reads it again when another run changed
+    it meanwhile: two runs of one out_dir never lose each other's rows."""
+
+    def __init__(self, path: str, objects: ObjectStore | None = None) -> None:
+        self.path, self.objects = path, objects
+
+    def read(self) -> dict[str, dict[str, str]]:
+        if self.objects is None:
+            return read(self.path)[0]
+        return parse(self.objects.cat(names.RUNS_CSV) or b"", self.path)[0]
+
+    def change(self, edit: Callable[[dict[str, dict[str, str]]], None]) -> None:
+        if self.objects is None:
+            with locked(self.path) as rows:
+                edit(rows)
+            return
+        for _ in range(20):
+            raw, etag = self.objects.read_with_etag(names.RUNS_CSV)
+            rows, extra = parse(raw or b"", self.path)
+            edit(rows)
+            try:
+                self.objects.replace(names.RUNS_CSV, render(rows, extra), etag)
+                return
+            except PreconditionFailed:
+                time.sleep(0.05 + random.random() * 0.2)
+        raise OSError(f"{self.path} changed 20 times while this run wrote its row")

@@ -224,7 +224,15 @@ class Store:
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.dir = os.path.join(run_dir, CHECKPOINTS)
+        self.dir = os.path.join(run_dir, CHECKPOINTS)  # where saves are written first
+        self.location = self.dir  # where the checkpoints are, for messages
+        self.options: dict[str, Any] = {}  # the object store's (run.storage_options)
+
+    def upload(self, name: str, tmp: str, files: list[str]) -> None:
+        """Each rank's own files of a save, where the store is not this disk (a no-op here)."""
+
+    def discard(self, name: str) -> None:
+        """What a failed save left where the store is not this disk (a no-op here)."""
 
     def complete(self) -> list[Entry]:
         """The complete checkpoints, newest (last saved) first."""
@@ -320,7 +328,10 @@ class Store:
         keep.update(n for _, n in scored[:keep_best])
         for entry in entries:
             if entry.name not in keep:
-                shutil.rmtree(entry.path, ignore_errors=True)
+                self.delete(entry)
+
+    def delete(self, entry: Entry) -> None:
+        shutil.rmtree(entry.path, ignore_errors=True)
 
     def best(self, monitor: str, mode: str) -> Entry | None:
         metrics = [(e.metric(monitor), e) for e in self.complete()]
@@ -361,9 +372,12 @@ class Store:
         return target
 
 
-def error_of_save(error: BaseException, name: str, folder: str, needed: int) -> CheckpointError:
-    """A failed write as one line: disk full (with the space it needed), or what the OS said."""
-    free = shutil.disk_usage(folder).free
+def error_of_save(
+    error: BaseException, name: str, folder: str, needed: int, where: str | None = None
+) -> CheckpointError:
+    """A failed write as one line: disk full (with the space it needed), or what the OS (or the
+    object store at `where`) said."""
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else needed
     causes = [error, *(getattr(error, "failures", {}) or {}).values()]
     causes = [c[0] if isinstance(c, tuple) else c for c in causes]
     # torch.save reports a failed write as a RuntimeError, not as the OSError beneath it.
@@ -376,6 +390,6 @@ def error_of_save(error: BaseException, name: str, folder: str, needed: int) -> 
     os_error = next((c for c in causes if isinstance(c, OSError)), None)
     reason = str(os_error) if os_error is not None else first_line(error)
     return CheckpointError(
-        f"checkpoint error: cannot write {name} in {folder}: {reason}; the "
+        f"checkpoint error: cannot write {name} in {where or folder}: {reason}; the "
         f"previous checkpoint is kept"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import PeerFailure, UserError, first_line
 from dtrain.files import names, outputs
+from dtrain.files.lease import Lease
+from dtrain.files.objstore import ObjectStore
+from dtrain.files.remote_store import RemoteStore
 from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
 from dtrain.loop import optim
@@ -40,6 +44,7 @@ from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout, Steps
 from dtrain.run import records
+from dtrain.run.mirror import RecordMirror
 from dtrain.run.pieces import Pieces, build_pieces
 
 
@@ -75,22 +80,60 @@ def prepare_run_dir(cfg: Config) -> str:
     return run_dir
 
 
-def claim_run_dir(cfg: Config, lock: RunDirLock, env: env_mod.Env) -> str:
+def claim_run_dir(
+    cfg: Config, lock: RunDirLock, env: env_mod.Env, remote: RemoteRun | None = None
+) -> str:
     """Before anything is written: rank 0 creates the run directory and takes its lock (a second
     launch on the same directory exits 2 naming the holder), and every rank checks that it sees
-    the same directory. The same UserError on every rank when something is wrong."""
+    the same directory. A run in an object store: rank 0 reaches the store first, takes the run's
+    lease there, and each node's staging folder is the run directory here (not shared); every
+    rank fetches the records it keeps. The same UserError on every rank when something is
+    wrong."""
     if cfg.run.private:
         os.umask(0o077)  # every directory 0700 and file 0600 that this process creates
+    job = slurm.job_label(env.slurm_job_id)
 
     def claim() -> None:
+        if remote is not None:
+            remote.out.check()  # endpoint, bucket and credentials, before anything is written
         prepare_run_dir(cfg)
         check_run_dir_entries(cfg.run_dir)  # no link to write through, before the lock's file
-        lock.acquire(slurm.job_label(env.slurm_job_id))
+        lock.acquire(job)
+        if remote is not None:
+            remote.lease.acquire(job)
+            remote.mirror.clear()
 
     dist.on_main(claim)
     os.makedirs(cfg.run_dir, exist_ok=True)  # ranks on other nodes, where it may not be shared
-    dist.check_shared(cfg.run_dir)
+    if remote is None:
+        dist.check_shared(cfg.run_dir)
+        return cfg.run_dir
+    try:
+        remote.mirror.pull()
+    except Exception as e:  # noqa: BLE001 - the store's failure as one line
+        raise remote.run.error(e, "read the records of") from None
     return cfg.run_dir
+
+
+class RemoteRun:
+    """A run whose directory is in an object store: the out_dir's prefix (runs.csv), the run's,
+    its lease and the mirror of its records."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        assert cfg.run_url is not None
+        options = dict(cfg.run.storage_options)
+        self.out = ObjectStore(cfg.run.out_dir, options)
+        self.run = self.out.child(cfg.run_name)
+        self.options = options
+        self.lease = Lease(self.run)
+        self.mirror = RecordMirror(cfg.run_dir, self.run, cfg.run.upload_every_s, rank)
+
+    def store(self, run_dir: str) -> Store:
+        return RemoteStore(run_dir, self.run, self.options)
+
+    def close(self) -> None:
+        self.mirror.stop()
+        self.lease.release()
 
 
 def state_bytes(
@@ -140,6 +183,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     setup_logging(dist.rank(), cfg.log.all_ranks)
     signals.install()
     lock = RunDirLock(cfg.run_dir)
+    remote = RemoteRun(cfg, dist.rank()) if cfg.run_url else None
     record = records.RunRecord(
         cfg.run.out_dir,
         cfg.run_name,
@@ -147,14 +191,15 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         cfg.ckpt,
         layout.world_size,
         dist.is_main(),
+        remote.out if remote else None,
     )
     loaders: data.Loaders | None = None
     try:
         pieces = build_pieces(cfg, layout, clock)
         loaders = pieces.loaders
-        claim_run_dir(cfg, lock, env)
+        claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
-        outcome = _train(cfg, layout, record, pieces, clock)
+        outcome = _train(cfg, layout, record, pieces, clock, remote)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(
                 cfg.slurm.requeue, env
@@ -171,6 +216,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     finally:
         data.close_loaders(loaders)
         signals.uninstall()
+        if remote is not None:
+            remote.close()  # the last upload of the records, then the lease goes
         lock.release()
         dist.shutdown()
 
@@ -181,8 +228,10 @@ def _train(
     record: records.RunRecord,
     pieces: Pieces,
     clock: StartupClock,
+    remote: RemoteRun | None,
 ) -> str:
     run_dir = cfg.run_dir
+    store = remote.store(run_dir) if remote else Store(run_dir)
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(
@@ -198,7 +247,7 @@ def _train(
         seed=cfg.run.seed,
         config=to_dict(cfg),
         layout=layout,
-        store=Store(run_dir),
+        store=store,
         model=model,
         optimizer=optimizer,
         state=state,
@@ -215,16 +264,22 @@ def _train(
         log.info(pieces.starting_weights.load(model))
     # Every check has passed (a resume refused for a changed config ends above): the run's
     # record and its config.yaml are written only now.
-    record.start(run_dir, resuming=resumed is not None)
+    record.start(store, resuming=resumed is not None)
     if dist.is_main():
         try:
             write_atomic(os.path.join(run_dir, names.CONFIG), dump(cfg).encode("utf-8"))
         except OSError as e:  # a full disk at the start of a resume: one line, nothing lost
             raise outputs.output_error("train", run_dir, e) from None
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
+    saved: list[Callable[[TrainState], None]] = [record.update]
+    if remote is not None:
+        mirror = remote.mirror
+        mirror.start()
+        saved.append(lambda _state: mirror.sync())
     pieces.notes.append(optim.describe_groups(optimizer))
     clock.mark("run directory and resume")
-    _banner(cfg, layout, pieces, run_dir, resumed)
+    shown = f"{cfg.run_url} (staged in {run_dir})" if cfg.run_url else run_dir
+    _banner(cfg, layout, pieces, shown, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
 
     # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
@@ -239,7 +294,7 @@ def _train(
         log.info(clock.line())
         return {**world, **_log_state_bytes(model, optimizer, ema)}
 
-    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
+    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=saved)
     if layout.env.slurm_job_id and dist.is_main():
         job_id = layout.env.slurm_job_id
         callbacks.before_stop_save.append(
@@ -278,7 +333,7 @@ def _train(
     finally:
         run_log.close()
     record.update(state, outcome)
-    log.info(f"{outcome} at step {state.step}: {run_dir}")
+    log.info(f"{outcome} at step {state.step}: {cfg.run_url or run_dir}")
     return outcome
 
 

@@ -26,6 +26,7 @@ import yaml
 from dtrain.config import CkptConfig, Config, to_dict
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
+from dtrain.files.objstore import ObjectStore, is_url, join
 from dtrain.files.resume_policy import training_part
 from dtrain.files.store import Store
 from dtrain.observe import clock, log
@@ -80,11 +81,13 @@ def git_commit(cwd: str) -> str:
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
-def best_checkpoint(run_dir: str, monitor: str, mode: str) -> str:
-    """The complete checkpoint with the best `monitor` value, as an absolute path (the table may
-    be read from another directory); '' when none has one."""
-    best = Store(run_dir).best(monitor, mode)
-    return os.path.abspath(best.path) if best is not None else ""
+def best_checkpoint(store: Store, monitor: str, mode: str) -> str:
+    """The complete checkpoint with the best `monitor` value, as an absolute path or a URL (the
+    table may be read from another directory); '' when none has one."""
+    best = store.best(monitor, mode)
+    if best is None:
+        return ""
+    return best.path if is_url(best.path) else os.path.abspath(best.path)
 
 
 def describe(cfg: Config, layout: Layout) -> dict[str, str]:
@@ -119,17 +122,20 @@ class RunRecord:
         ckpt: CkptConfig,
         world_size: int,
         is_main: bool,
+        objects: ObjectStore | None = None,
     ) -> None:
+        """`objects`: the out_dir's prefix in an object store, where it is one."""
         self.name, self.described, self.ckpt = name, described, ckpt
         self.world_size, self.is_main = world_size, is_main
-        self.path = os.path.join(out_dir, FILE)
-        self.run_dir = ""
+        self.path = join(out_dir, FILE) if objects else os.path.join(out_dir, FILE)
+        self.table = runs_table.Table(self.path, objects)
+        self.store: Store | None = None
         self.started = False
         self.ended = False
         self.attempt_start = time.monotonic()
         self.earlier_wall_s = 0.0
 
-    def start(self, run_dir: str, resuming: bool) -> None:
+    def start(self, store: Store, resuming: bool) -> None:
         """Write the row as running; a run that resumed a checkpoint continues its earlier
         row. Called once every check of the launch has passed: a refused launch leaves the row
         as it was."""
@@ -153,24 +159,28 @@ class RunRecord:
             # `<array job>_<task>` for a task of a job array (a sweep's trial), as squeue shows it
             "slurm_job": slurm.job_label(os.environ.get("SLURM_JOB_ID")) or "",
         }
+
+        def edit(rows: dict[str, dict[str, str]]) -> None:
+            earlier = rows.get(name)
+            new = dict(row)
+            if resuming and earlier is not None:
+                self.earlier_wall_s = _float(earlier.get("wall_time_s"))
+                new.update(
+                    started=earlier.get("started") or now,
+                    attempts=str(int(_float(earlier.get("attempts"))) + 1),
+                    step=earlier.get("step") or "0",
+                    best_metric=earlier.get("best_metric", ""),
+                    best_checkpoint=earlier.get("best_checkpoint", ""),
+                    world_size_changes=earlier.get("world_size_changes", ""),
+                )
+            rows[name] = new
+
         try:
-            with runs_table.locked(self.path) as rows:
-                earlier = rows.get(name)
-                if resuming and earlier is not None:
-                    self.earlier_wall_s = _float(earlier.get("wall_time_s"))
-                    row.update(
-                        started=earlier.get("started") or now,
-                        attempts=str(int(_float(earlier.get("attempts"))) + 1),
-                        step=earlier.get("step") or "0",
-                        best_metric=earlier.get("best_metric", ""),
-                        best_checkpoint=earlier.get("best_checkpoint", ""),
-                        world_size_changes=earlier.get("world_size_changes", ""),
-                    )
-                rows[name] = row
+            self.table.change(edit)
         except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
             log.warning(f"run records: cannot write {self.path} ({e}); this run is not recorded")
             return
-        self.run_dir = run_dir
+        self.store = store
         self.started = True
 
     def update(self, state: Any, status: str = "running") -> None:
@@ -181,7 +191,9 @@ class RunRecord:
         fields = {
             "status": status,
             "step": str(state.step),
-            "best_checkpoint": best_checkpoint(self.run_dir, ckpt.monitor, ckpt.monitor_mode),
+            "best_checkpoint": best_checkpoint(self.store, ckpt.monitor, ckpt.monitor_mode)
+            if self.store is not None
+            else "",
         }
         if state.best_metric is not None:
             fields["best_metric"] = f"{state.best_metric:.6g}"
@@ -193,11 +205,14 @@ class RunRecord:
         `A->B@step` per change in the row's world_size_changes, oldest first."""
         if not self.started or self.ended:
             return
+
+        def edit(rows: dict[str, dict[str, str]]) -> None:
+            row = rows.setdefault(self.name, {"name": self.name})
+            earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
+            row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
+
         try:
-            with runs_table.locked(self.path) as rows:
-                row = rows.setdefault(self.name, {"name": self.name})
-                earlier = [e for e in (row.get("world_size_changes") or "").split(";") if e]
-                row["world_size_changes"] = ";".join([*earlier, f"{before}->{after}@{step}"])
+            self.table.change(edit)
         except (OSError, csv.Error) as e:
             log.warning(f"run records: cannot update {self.path} ({e})")
 
@@ -211,11 +226,13 @@ class RunRecord:
 
     def _write(self, fields: dict[str, str]) -> None:
         wall = self.earlier_wall_s + time.monotonic() - self.attempt_start
+
+        def edit(rows: dict[str, dict[str, str]]) -> None:
+            row = rows.setdefault(self.name, {"name": self.name})
+            row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
+
         try:
-            with runs_table.locked(self.path) as rows:
-                name = self.name
-                row = rows.setdefault(name, {"name": name})
-                row.update(fields, wall_time_s=f"{wall:.1f}", world_size=str(self.world_size))
+            self.table.change(edit)
         except (OSError, csv.Error) as e:  # a full disk must not end the run (or hide its error)
             log.warning(f"run records: cannot update {self.path} ({e})")
 
@@ -230,15 +247,21 @@ def mark_failed(out_dir: str, name: str, error: str) -> None:
 
 
 def read(out_dir: str) -> dict[str, dict[str, str]]:
-    """The rows of `out_dir/runs.csv` by run name, in file order; none without the file. A
-    file that is not a table of runs at all is one line (exit 2)."""
-    path = os.path.join(out_dir, FILE)
+    """The rows of `out_dir/runs.csv` (on a disk or in an object store) by run name, in file
+    order; none without the file. A file that is not a table of runs at all is one line (exit
+    2), as is a store that cannot be read."""
+    objects = ObjectStore(out_dir) if is_url(out_dir) else None
+    path = join(out_dir, FILE) if objects else os.path.join(out_dir, FILE)
     try:
-        return runs_table.read(path)[0]
+        return runs_table.Table(path, objects).read()
     except csv.Error as e:
         raise UserError(
             f"runs error: {path} is not a table of runs ({e}); move it away to start a new one"
         ) from None
+    except OSError as e:
+        if objects is None:
+            raise
+        raise objects.error(e, "read") from None
 
 
 def _float(text: str | None) -> float:
@@ -250,14 +273,15 @@ def _float(text: str | None) -> float:
 
 def table(out_dir: str) -> str:
     """`dtrain runs`: the records of `out_dir` as an aligned text table, oldest first."""
-    if not os.path.isdir(out_dir):
+    if not is_url(out_dir) and not os.path.isdir(out_dir):
         raise UserError(
             f"runs error: '{out_dir}' is not a directory; pass the run.out_dir of "
             f"your runs with --out-dir"
         )
     rows = read(out_dir)
     if not rows:
-        return f"no runs recorded in {os.path.join(out_dir, FILE)}"
+        where = join(out_dir, FILE) if is_url(out_dir) else os.path.join(out_dir, FILE)
+        return f"no runs recorded in {where}"
     lines = []
     for row in rows.values():
         shown = dict(row)
@@ -266,8 +290,11 @@ def table(out_dir: str) -> str:
         shown["best"] = (
             f"{row.get('monitor')} {row['best_metric']}" if row.get("best_metric") else ""
         )
-        if row.get("best_checkpoint"):  # relative to out_dir: the table stays narrow
-            shown["best_checkpoint"] = os.path.relpath(row["best_checkpoint"], out_dir)
+        best = row.get("best_checkpoint") or ""
+        if best.startswith(out_dir.rstrip("/") + "/"):  # relative to out_dir: a narrow table
+            shown["best_checkpoint"] = best[len(out_dir.rstrip("/")) + 1 :]
+        elif best and not is_url(best):
+            shown["best_checkpoint"] = os.path.relpath(best, out_dir)
         shown["git_commit"] = (row.get("git_commit") or "")[:10] + (
             "-dirty" if (row.get("git_commit") or "").endswith("-dirty") else ""
         )

@@ -1,0 +1,239 @@
+"""Runs whose directory is in an object store, against a real S3 server (moto's, on 127.0.0.1):
+checkpoints written by each rank straight to the store with the marker last, exact resume and
+rewind from the store, records uploaded, one owner per run, and each fault one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, dtrain, launch, without_module
+
+pytestmark = pytest.mark.slow
+
+
+def _metrics(fs, url: str) -> list[dict]:
+    text = fs.cat(url.removeprefix("s3://") + "/metrics.jsonl").decode()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _weights(fs, checkpoint_url: str, into: Path) -> dict:
+    local = into / "checkpoint.pt"
+    fs.get(checkpoint_url.removeprefix("s3://") + "/checkpoint.pt", str(local))
+    return torch.load(local, weights_only=True)["model"]
+
+
+def _lease(fs, run_url: str, host: str, renewed: float) -> None:
+    body = {"host": host, "pid": 1, "job": None, "started": "earlier", "ttl_s": 60,
+            "renewed": renewed}
+    fs.pipe(run_url.removeprefix("s3://") + "/.lock", json.dumps(body).encode())
+
+
+def test_run_in_the_store_resumes_and_rewinds_exactly(s3, tmp_path: Path) -> None:
+    """A run in the store: every checkpoint is there with its marker; a rewind from the store
+    continues the run bit for bit (equal to the same run on a local disk); an interrupted save
+    is never resumed and is removed; a live lease refuses a second launch, a stale one is taken
+    over; records, `dtrain runs` and `dtrain verify` read the store; no credential anywhere."""
+    fs, bucket = s3.fs(), s3.bucket()
+    out = f"s3://{bucket}/exp"
+    run = f"{out}/r"
+    stage = tmp_path / "stage"
+    common = ["train.max_steps=6", "ckpt.every_steps=3", "ckpt.keep_last=5",
+              f"run.staging_dir={stage}"]
+    local = launch(tmp_path / "local" / "r", common)
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    _lease(fs, run, "another-host", renewed=time.time())  # a live run elsewhere holds it
+    refused = launch(tmp_path / "x" / "r", [*common, f"run.out_dir={out}"], env=s3.env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "in use by another run (host another-host" in refused.stderr
+    assert not fs.exists(f"{bucket}/exp/r/checkpoints")
+
+    _lease(fs, run, "another-host", renewed=time.time() - 3600)  # killed an hour ago
+    first = launch(tmp_path / "x" / "r", [*common, f"run.out_dir={out}"], env=s3.env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "taking over the lease" in first.stderr
+    assert not fs.exists(f"{bucket}/exp/r/.lock")  # released at the end
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/exp/r/checkpoints"))
+    assert names == ["latest", "step_000003-epoch_00", "step_000006-epoch_00"]
+    marker = json.loads(fs.cat(f"{bucket}/exp/r/checkpoints/step_000006-epoch_00/COMPLETE"))
+    assert marker["seq"] == 2 and set(marker["files"]) == {"checkpoint.pt"}
+    straight = _metrics(fs, run)
+    assert _losses(straight) == local.losses()
+    assert sorted(_losses(straight)) == [1, 2, 3, 4, 5, 6]
+
+    # An interrupted save (files, no marker) must never be resumed: removed at the next start.
+    fs.pipe(f"{bucket}/exp/r/checkpoints/step_000099-epoch_00/checkpoint.pt", b"partial")
+    rewind = f"{run}/checkpoints/step_000003-epoch_00"
+    again = launch(tmp_path / "x" / "r", [*common, f"run.out_dir={out}", f"ckpt.resume={rewind}"],
+                   env=s3.env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {rewind} (step 3" in again.stderr
+    assert "removing incomplete checkpoint" in again.stderr
+    assert not fs.exists(f"{bucket}/exp/r/checkpoints/step_000099-epoch_00")
+    assert "rewound to step_000003-epoch_00" in again.stderr
+    rewound = _metrics(fs, run)
+    assert [r["step"] for r in rewound if "loss" in r] == [1, 2, 3, 4, 5, 6]  # no gap, no repeat
+    assert _losses(rewound) == local.losses()
+    latest = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
+    assert latest == "step_000006-epoch_00"
+    weights = _weights(fs, f"{run}/checkpoints/{latest}", tmp_path)
+    reference = torch.load(local.run_dir / "checkpoints" / latest / "checkpoint.pt",
+                           weights_only=True)["model"]
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    aside = fs.find(f"{bucket}/exp/r/superseded")
+    assert any(p.endswith("step_000006-epoch_00/COMPLETE") for p in aside)
+    assert any(p.endswith("metrics.jsonl") for p in aside)  # the rewound records, kept
+
+    listed = dtrain("runs", "--out-dir", out, env=s3.env)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith("r "))
+    assert "finished" in row and " 6 " in row
+    verified = dtrain("verify", run, env=s3.env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "2 checkpoints: 2 intact" in verified.stdout
+
+    # No credential in anything the runs wrote or said.
+    for path in fs.find(bucket):
+        assert s3.secret.encode() not in fs.cat(path), path
+    for file in stage.rglob("*"):
+        if file.is_file():
+            assert s3.secret.encode() not in file.read_bytes(), file
+    for said in (refused, first, again, listed, verified):
+        assert s3.secret not in said.stdout + said.stderr
+
+
+def test_sharded_checkpoints_from_each_rank_and_another_world_size(s3, tmp_path: Path) -> None:
+    """FSDP on 2 ranks with sharded, asynchronous saves: each rank's shard is in the store, the
+    marker lists both with their digests, the losses equal the same run on a local disk, and
+    the run resumes from the store on 1 rank."""
+    fs, bucket = s3.fs(), s3.bucket()
+    out = f"s3://{bucket}/exp"
+    job = ["parallel.mode=fsdp", "ckpt.format=sharded", "ckpt.async=true", "train.max_steps=4",
+           "ckpt.every_steps=2", f"run.staging_dir={tmp_path / 'stage'}"]
+    local = launch(tmp_path / "local" / "r", job, nproc=2)
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = launch(tmp_path / "x" / "r", [*job, f"run.out_dir={out}"], nproc=2, env=s3.env)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert _losses(_metrics(fs, f"{out}/r")) == local.losses()
+    folder = f"{bucket}/exp/r/checkpoints/step_000004-epoch_00"
+    marker = json.loads(fs.cat(f"{folder}/COMPLETE"))
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "meta.pt"} <= set(
+        marker["files"])
+    assert set(marker["digests"]) == set(marker["files"])
+    assert {p.rsplit("/", 1)[1] for p in fs.find(folder)} == {
+        "COMPLETE", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
+    assert fs.exists(f"{bucket}/exp/r/log.rank1.txt")  # every rank's own log, uploaded
+
+    resumed = launch(tmp_path / "x" / "r", [*job, "train.max_steps=6", f"run.out_dir={out}"],
+                     env=s3.env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out}/r/checkpoints/step_000004-epoch_00 (step 4" in resumed.stderr
+    assert "world size changed from 2 to 1" in resumed.stderr
+    assert sorted(_losses(_metrics(fs, f"{out}/r"))) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("case", ["mistyped", "scheme", "secret", "no bucket", "unreachable",
+                                  "credentials", "no s3fs"])
+def test_a_bad_store_is_one_line_and_nothing_written(s3, tmp_path: Path, case: str,
+                                                     request, monkeypatch) -> None:
+    bucket = s3.bucket()
+    env = dict(s3.env)
+    overrides = [f"run.out_dir=s3://{bucket}/exp", f"run.staging_dir={tmp_path / 'stage'}"]
+    expected = ""
+    if case == "mistyped":
+        overrides[0] = "run.out_dir=s3:/bucket/exp"
+        expected = "config error: run.out_dir: 's3:/bucket/exp' looks like a mistyped URL"
+    elif case == "scheme":
+        overrides[0] = "run.out_dir=gs://bucket/exp"
+        expected = "config error: run.out_dir: gs://bucket/exp: the 'gs' scheme is not supported"
+    elif case == "secret":
+        overrides.append(f"run.storage_options={{secret: {s3.secret}}}")
+        expected = "config error: run.storage_options.secret: credentials are never put in the"
+    elif case == "no bucket":
+        overrides[0] = "run.out_dir=s3://no-such-bucket/exp"
+        expected = f"storage error: bucket 'no-such-bucket' does not exist at {s3.endpoint}"
+    elif case == "unreachable":
+        env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens there
+        expected = "storage error: cannot reach the object store at http://127.0.0.1:9"
+    elif case == "credentials":  # a server that checks them; its own key passes the check
+        import s3server
+        from dtrain.files.objstore import ObjectStore
+        checking = s3server.start(auth=True)
+        request.addfinalizer(lambda: s3server.stop(checking))
+        bucket = checking.bucket()
+        monkeypatch.setattr(os, "environ", {**os.environ, **checking.env})
+        ObjectStore(f"s3://{bucket}/exp").check()
+        env = {**checking.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+        overrides[0] = f"run.out_dir=s3://{bucket}/exp"
+        expected = (f"storage error: the object store at {checking.endpoint} refused the "
+                    f"credentials for bucket '{bucket}'")
+    else:
+        env.update(without_module(tmp_path / "hide", "s3fs"))
+        expected = "missing dependency: an object-store location"
+    began = time.monotonic()
+    result = launch(tmp_path / "runs" / "r", overrides, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert time.monotonic() - began < 60
+    assert any(expected in line for line in result.stderr.splitlines()), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert s3.secret not in result.stdout + result.stderr
+    assert not (REPO / "s3:").exists() and not (tmp_path / "stage").exists()
+    if case != "credentials":
+        assert s3.fs().find(bucket) == []
+
+
+def test_runs_csv_in_the_store_keeps_every_run_row(s3) -> None:
+    """Runs of one out_dir in the store rewrite runs.csv at the same time: conditional writes
+    keep every row (none lost to another run's rewrite)."""
+    from dtrain.files import runs_table
+    from dtrain.files.objstore import ObjectStore
+
+    bucket = s3.bucket()
+    os.environ.update(s3.env)
+
+    def writer(prefix: str) -> None:
+        table = runs_table.Table(f"s3://{bucket}/exp/runs.csv", ObjectStore(f"s3://{bucket}/exp"))
+        for i in range(8):
+            table.change(lambda rows, i=i: rows.__setitem__(f"{prefix}{i}", {"name": f"{prefix}{i}",
+                                                                              "status": "running"}))
+
+    threads = [threading.Thread(target=writer, args=(p,)) for p in "abc"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = runs_table.Table("x", ObjectStore(f"s3://{bucket}/exp")).read()
+    assert sorted(rows) == sorted(f"{p}{i}" for p in "abc" for i in range(8))
+
+
+def test_the_lease_has_one_holder(s3) -> None:
+    from dtrain.core.errors import UserError
+    from dtrain.files.lease import Lease
+    from dtrain.files.objstore import ObjectStore
+
+    os.environ.update(s3.env)
+    bucket = s3.bucket()
+    run = ObjectStore(f"s3://{bucket}/exp/r")
+    first = Lease(run, ttl_s=2.0)
+    first.acquire("7")
+    time.sleep(2.5)  # renewed meanwhile: still held
+    with pytest.raises(UserError, match=r"in use by another run .*SLURM job 7"):
+        Lease(ObjectStore(f"s3://{bucket}/exp/r"), ttl_s=2.0).acquire("8")  # pid alive here
+    requeued = Lease(ObjectStore(f"s3://{bucket}/exp/r"), ttl_s=2.0)
+    requeued.acquire("7")  # the same job, requeued: its old run is gone
+    time.sleep(1.5)
+    assert first.lost  # its next renewal found another holder
+    first.release()  # never deletes the lease another run holds now
+    assert run.exists(".lock")
+    requeued.release()
+    assert not run.exists(".lock")
