@@ -102,13 +102,24 @@ def test_run_in_the_store_resumes_and_rewinds_exactly(s3, tmp_path: Path) -> Non
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "2 checkpoints: 2 intact" in verified.stdout
 
+    # Starting weights from the store; the commands that read a disk only say so.
+    started = launch(tmp_path / "local" / "from_store",
+                     ["train.max_steps=1", f"model.init_from={run}/checkpoints/{latest}"],
+                     env=s3.env)
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert f"initial weights from {run}/checkpoints/{latest}: " in started.stderr
+    refused_eval = dtrain("eval", "--run-dir", run, env=s3.env)
+    assert refused_eval.returncode == 2
+    assert f"eval error: {run}: dtrain eval reads runs and checkpoints on a disk" in (
+        refused_eval.stderr)
+
     # No credential in anything the runs wrote or said.
     for path in fs.find(bucket):
         assert s3.secret.encode() not in fs.cat(path), path
     for file in stage.rglob("*"):
         if file.is_file():
             assert s3.secret.encode() not in file.read_bytes(), file
-    for said in (refused, first, again, listed, verified):
+    for said in (refused, first, again, listed, verified, started):
         assert s3.secret not in said.stdout + said.stderr
 
 
@@ -237,3 +248,65 @@ def test_the_lease_has_one_holder(s3) -> None:
     assert run.exists(".lock")
     requeued.release()
     assert not run.exists(".lock")
+
+
+def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) -> None:
+    """The endpoint lost while the run saves (the test cuts every connection through a proxy
+    in front of the store): each save meanwhile fails with one warning, training goes on, the
+    previous checkpoint stays the latest; once the store is back the next saves land, the run
+    finishes with its last checkpoint complete, and nothing in the store is half a checkpoint
+    that a resume would take."""
+    import subprocess
+    import sys
+
+    from conftest import TRAIN, child_env
+    from tcp_proxy import Proxy
+
+    from dtrain.core.urls import staging_dir
+
+    fs, bucket = s3.fs(), s3.bucket()
+    proxy = Proxy(s3.host, s3.port)
+    out, stage = f"s3://{bucket}/exp", tmp_path / "stage"
+    args = [*TINY, f"run.out_dir={out}", "run.name=r", f"run.staging_dir={stage}",
+            "ckpt.every_steps=2", "ckpt.keep_last=2",
+            "run.storage_options={config_kwargs: {connect_timeout: 1, retries: "
+            "{max_attempts: 2}}}"]
+    log = Path(staging_dir(f"{out}/r", str(stage))) / "log.txt"
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, text=True,
+                            env=child_env({**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not fs.exists(f"{bucket}/exp/r/checkpoints/latest"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.02)
+        proxy.cut()
+        deadline = time.monotonic() + 180
+        cut_at = _latest_step(fs, bucket)
+        while "the next save tries again" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "no failed save"
+            time.sleep(0.1)
+        latest_while_cut = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
+        proxy.restore()
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        proxy.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    failed = [line for line in output.splitlines() if "the next save tries again" in line]
+    assert failed and all("checkpoint error: cannot write step_" in line for line in failed)
+    assert "Traceback" not in output
+    # The checkpoint before the cut stayed the latest while saves failed.
+    assert latest_while_cut.startswith(f"step_{cut_at:06d}-")
+    assert _latest_step(fs, bucket) == 32  # the last step (1 epoch of 32 steps)
+    verified = dtrain("verify", f"{out}/r", env=s3.env)
+    assert verified.returncode == 0, verified.stdout
+    assert "damaged" not in verified.stdout.replace("0 damaged", "")
+    rows = dtrain("runs", "--out-dir", out, env=s3.env).stdout
+    assert "finished" in rows and " 32 " in rows
+
+
+def _latest_step(fs, bucket: str) -> int:
+    latest = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
+    return json.loads(fs.cat(f"{bucket}/exp/r/checkpoints/{latest}/COMPLETE"))["step"]

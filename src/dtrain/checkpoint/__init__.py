@@ -20,8 +20,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -42,6 +41,8 @@ from dtrain.checkpoint.state import (
     FORMAT_VERSION,
     FULL_FILE,
     META_FILE,
+    Resumed,
+    Stateful,
     load_file,
 )
 from dtrain.config import CkptConfig
@@ -87,23 +88,6 @@ __all__ = [
 ]
 
 
-class Stateful(Protocol):
-    """A piece of a run that a checkpoint saves and restores by name."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """The checkpoint a run resumed from."""
-
-    path: str
-    step: int
-    world_size: int
-
-
 class Checkpointer:
     """Saves and restores everything a run needs to continue exactly."""
 
@@ -138,6 +122,8 @@ class Checkpointer:
         self.config_changes: list[str] = []  # training keys changed since the resumed checkpoint
         self.superseded: str | None = None  # where an abandoned history was moved
         self._thread: threading.Thread | None = None
+        self._before_save: int | None = None  # the last saved step before the save under way
+        self.last_error: CheckpointError | None = None  # of a save that failed and was let go
         self._error: BaseException | None = None
         self._resumed: Resumed | None = None
         # Background saves run their collectives on a group of their own, so that they never
@@ -212,9 +198,13 @@ class Checkpointer:
             }
         if self.ema is not None:
             payload["ema"] = self.ema.state_dict(full=self.format == "full")
+        self._before_save = self.last_saved_step
         self.last_saved_step = state.step
         if not ckpt.async_:
-            self._write(name, tmp, payload, meta, marker, pending=None)
+            try:
+                self._write(name, tmp, payload, meta, marker, pending=None)
+            except CheckpointError as e:
+                self._failed(e)
             return
         pending = None
         if self.format == "full":
@@ -312,7 +302,10 @@ class Checkpointer:
         final = self.store.publish(name, tmp, marker, files, digests)
         log.info(f"saved checkpoint {final}")
         ckpt = self.ckpt
-        self.store.rotate(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.monitor_mode)
+        try:  # the checkpoint is complete: a rotation that fails never undoes it
+            self.store.rotate(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.monitor_mode)
+        except Exception as e:  # noqa: BLE001 - the next save rotates again
+            log.warning(f"could not rotate the checkpoints in {self.store.location}: {e}")
 
     def wait(self) -> None:
         """Block until a background save is finished; raise its error if it failed."""
@@ -321,7 +314,20 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if not isinstance(error, CheckpointError):
+                raise error
+            self._failed(error)
+
+    def _failed(self, error: CheckpointError) -> None:
+        """A save that failed: the end of the run on a disk (full, read-only: it stays so);
+        in an object store (a connection lost, the store overloaded: it passes), one warning,
+        training goes on, and the next save tries again (the previous checkpoint stays the
+        latest). Every rank comes here alike: they agreed on the failure."""
+        if not self.store.retries_saves:
             raise error
+        self.last_error = error
+        self.last_saved_step = self._before_save
+        log.warning(f"{error}; training goes on, and the next save tries again")
 
     # -- resuming -------------------------------------------------------------------------------
     def resume(self) -> Resumed | None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -220,3 +221,20 @@ def cpu_copy(obj: Any) -> Any:
         lambda t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu", copy=True),
         obj,
     )
+
+
+class Stateful(Protocol):
+    """A piece of a run that a checkpoint saves and restores by name."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from."""
+
+    path: str
+    step: int
+    world_size: int

@@ -18,6 +18,7 @@ from typing import Any
 
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
+from dtrain.core.logs import log
 from dtrain.core.urls import is_url, join, staging_dir
 
 __all__ = ["ObjectStore", "PreconditionFailed", "is_url", "join", "staging_dir"]
@@ -46,6 +47,9 @@ class ObjectStore:
         # Listings are never cached: other ranks and other nodes write into the same prefix.
         opts.setdefault("use_listings_cache", False)
         self.fs = s3fs.S3FileSystem(config_kwargs=config, **opts)
+        # A connection dropped under a request leaves aiohttp's writer task failed; the request
+        # itself reports it (and is retried). Not a traceback on the console.
+        self.fs.loop.call_soon_threadsafe(self.fs.loop.set_exception_handler, _quiet)
         client = opts.get("client_kwargs", {}) or {}
         self.endpoint = client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
         self.root = self.url.split("://", 1)[1]
@@ -212,3 +216,7 @@ def _read_body(fs: Any, body: Any) -> bytes:
             return bytes(await stream.read())
 
     return bytes(sync(fs.loop, read))
+
+
+def _quiet(loop: Any, context: dict[str, Any]) -> None:
+    log.debug(f"object store: {context.get('message')}: {context.get('exception')!r}")

@@ -39,6 +39,7 @@ class RemoteStore(Store):
         self.checkpoints = objects.child(CHECKPOINTS)
         self.location = self.checkpoints.url
         self.options = dict(options)
+        self.retries_saves = True  # a connection lost or the store overloaded: it passes
 
     def complete(self) -> list[Entry]:
         entries = []
@@ -77,7 +78,9 @@ class RemoteStore(Store):
             os.remove(local)
 
     def discard(self, name: str) -> None:
-        self.checkpoints.rm(name, recursive=True)
+        """The files of a failed save, unless its marker got written (then it is complete)."""
+        if self.checkpoints.cat(f"{name}/{MARKER}") is None:
+            self.checkpoints.rm(name, recursive=True)
 
     def publish(
         self,

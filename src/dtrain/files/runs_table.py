@@ -134,13 +134,18 @@ class Table:
             with locked(self.path) as rows:
                 edit(rows)
             return
-        for _ in range(20):
-            raw, etag = self.objects.read_with_etag(names.RUNS_CSV)
-            rows, extra = parse(raw or b"", self.path)
-            edit(rows)
-            try:
-                self.objects.replace(names.RUNS_CSV, render(rows, extra), etag)
-                return
-            except PreconditionFailed:
-                time.sleep(0.05 + random.random() * 0.2)
+        try:
+            for _ in range(20):
+                raw, etag = self.objects.read_with_etag(names.RUNS_CSV)
+                rows, extra = parse(raw or b"", self.path)
+                edit(rows)
+                try:
+                    self.objects.replace(names.RUNS_CSV, render(rows, extra), etag)
+                    return
+                except PreconditionFailed:
+                    time.sleep(0.05 + random.random() * 0.2)
+        except (OSError, csv.Error):
+            raise
+        except Exception as e:  # the store's own errors (a connection lost) read as a disk's
+            raise OSError(str(e)) from e
         raise OSError(f"{self.path} changed 20 times while this run wrote its row")

@@ -227,6 +227,9 @@ class Store:
         self.dir = os.path.join(run_dir, CHECKPOINTS)  # where saves are written first
         self.location = self.dir  # where the checkpoints are, for messages
         self.options: dict[str, Any] = {}  # the object store's (run.storage_options)
+        # Whether a failed save may pass (training goes on, the next save tries again): not on
+        # a disk, where it fails for reasons that stay (full, read-only).
+        self.retries_saves = False
 
     def upload(self, name: str, tmp: str, files: list[str]) -> None:
         """Each rank's own files of a save, where the store is not this disk (a no-op here)."""

@@ -198,9 +198,7 @@ class Trainer:
             )
             for before_save in self.callbacks.before_stop_save:
                 before_save(self.last_save_s)
-            if self.checkpoints.last_saved_step != state.step:  # (a save's check may have seen it)
-                self._save()
-            self.checkpoints.wait()
+            self._save_last()  # (a save's check may have saved this step already)
             return "preempted"
         # Early stopping ends a run only before its end: one whose last scheduled evaluation
         # comes at its end has finished (a longer resume of it stops at once).
@@ -208,9 +206,7 @@ class Trainer:
         stopped_early = stopped_early and state.step < max_steps
         if state.last_eval.get("step") != state.step:
             self._evaluate(scheduled=False)
-        if self.checkpoints.last_saved_step != state.step:
-            self._save()
-        self.checkpoints.wait()
+        self._save_last()
         if stopped_early:
             log.info(self.early_stop.line())
             return "stopped_early"
@@ -390,6 +386,21 @@ class Trainer:
         their mean for evaluation and checkpoints, the same on every rank."""
         if not self.sync_batchnorm:
             average_buffers(self.model)
+
+    def _save_last(self, attempts: int = 4) -> None:
+        """The run's last checkpoint, unless this step is saved: where a failed save may pass
+        (an object store), tried again after 5, 10 and 20 s; the run fails (exit 1, the previous
+        checkpoint kept) only if the last attempt fails too."""
+        for attempt in range(attempts):
+            if self.checkpoints.last_saved_step != self.state.step:
+                self._save()
+            self.checkpoints.wait()
+            if self.checkpoints.last_saved_step == self.state.step:
+                return
+            if attempt < attempts - 1:
+                time.sleep(5 * 2**attempt)
+        assert self.checkpoints.last_error is not None
+        raise self.checkpoints.last_error
 
     def _save(self) -> None:
         started = time.perf_counter()

@@ -314,5 +314,6 @@ def check_shared(run_dir: str) -> None:
         raise UserError(
             f"storage error: the run directory {run_dir} is not shared by all ranks: "
             f"rank {who} (host {host}) does not see the files written there by rank(s) "
-            f"{missing_text}; put run.out_dir on a filesystem that every node mounts"
+            f"{missing_text}; put run.out_dir on a filesystem that every node mounts, or put "
+            f"the run in an object store (run.out_dir=s3://...)"
         )

@@ -86,7 +86,9 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
         cfg, layout, datasets, loaders.val, notes, clock
     )
     starting = (
-        StartingWeights(wrapped, cfg.model) if cfg.model.init_from or cfg.model.pretrained else None
+        StartingWeights(wrapped, cfg.model, cfg.run.storage_options)
+        if cfg.model.init_from or cfg.model.pretrained
+        else None
     )
     clock.mark("task check")
     return Pieces(datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting)

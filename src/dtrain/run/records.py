@@ -188,13 +188,14 @@ class RunRecord:
         if not self.started or self.ended:
             return
         ckpt = self.ckpt
-        fields = {
-            "status": status,
-            "step": str(state.step),
-            "best_checkpoint": best_checkpoint(self.store, ckpt.monitor, ckpt.monitor_mode)
-            if self.store is not None
-            else "",
-        }
+        fields = {"status": status, "step": str(state.step)}
+        try:
+            if self.store is not None:
+                fields["best_checkpoint"] = best_checkpoint(
+                    self.store, ckpt.monitor, ckpt.monitor_mode
+                )
+        except Exception as e:  # noqa: BLE001 - a store out of reach: the row says it next time
+            log.warning(f"run records: cannot list the checkpoints for {self.path} ({e})")
         if state.best_metric is not None:
             fields["best_metric"] = f"{state.best_metric:.6g}"
         self._write(fields)

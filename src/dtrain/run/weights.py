@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from typing import TYPE_CHECKING, cast
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.config import ModelConfig
 from dtrain.core.errors import UserError, first_line
+from dtrain.core.urls import is_url
+from dtrain.files.objstore import ObjectStore
+from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.store import read_marker
 from dtrain.process import dist
 
@@ -85,9 +90,17 @@ class StartingWeights:
     Strict unless model.init_strict is false: every weight of the model not excluded by
     model.init_exclude must be in the file, with its shape."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: ModelConfig, options: dict[str, Any] | None = None
+    ) -> None:
+        """`options`: run.storage_options, for an init_from in an object store."""
         self.cfg = cfg
         self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
+        self.named = self.path  # as the user named it (a URL's local copy is read)
+        self.fetched_into: str | None = None
+        if is_url(self.path):
+            self.fetched_into = tempfile.mkdtemp(prefix="dtrain-init-from-")
+            self.path = _fetched(self.path, self.fetched_into, options)
         ours = _model_tensors(model)
         self.excluded = {k for k in ours if self._excluded(k)}
         shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
@@ -97,7 +110,7 @@ class StartingWeights:
         if folder is not None and self.sharded_folder is None:
             self.path = os.path.join(folder, FULL_FILE)
         if not os.path.exists(self.path):
-            raise UserError(f"config error: model.init_from: {self.path} not found")
+            raise UserError(f"config error: model.init_from: {self.named} not found")
         self.weights: dict[str, torch.Tensor] | None = None  # read by rank 0 only
         self.count = dist.on_main(lambda: self._check(shapes))
 
@@ -119,7 +132,7 @@ class StartingWeights:
         problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
         if problem:
             raise UserError(
-                f"config error: model.init_from: {self.path}: {problem}; leave weights "
+                f"config error: model.init_from: {self.named}: {problem}; leave weights "
                 f"out with model.init_exclude (e.g. [fc.*] for another head)"
             )
         return len(set(shapes) & set(theirs))
@@ -149,10 +162,12 @@ class StartingWeights:
                 set_model_state_dict(model, weights, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             raise UserError(
-                f"config error: model.init_from: {self.path}: {first_line(e)}"
+                f"config error: model.init_from: {self.named}: {first_line(e)}"
             ) from None
         finally:
             self.weights = None
+            if self.fetched_into:  # the local copy of weights in an object store
+                shutil.rmtree(self.fetched_into, ignore_errors=True)
         left = (
             (
                 f", {len(self.excluded)} left at their initial values "
@@ -161,4 +176,22 @@ class StartingWeights:
             if self.excluded
             else ""
         )
-        return f"initial weights from {self.path}: {self.count} tensors{left}"
+        return f"initial weights from {self.named}: {self.count} tensors{left}"
+
+
+def _fetched(url: str, into: str, options: dict[str, Any] | None) -> str:
+    """A local copy in `into` of the weights at `url`: a dtrain checkpoint (its folder or
+    checkpoint.pt, fetched with its marker and checked by its digests as it is read) or a single
+    file (an exported state_dict, a `.pth`)."""
+    name = url.rstrip("/").rsplit("/", 1)[1]
+    if "." in name and name != FULL_FILE:
+        objects = ObjectStore(url.rstrip("/").rsplit("/", 1)[0], options)
+        local = os.path.join(into, name)
+        try:
+            objects.get(name, local)
+        except FileNotFoundError:
+            raise UserError(f"config error: model.init_from: {url} not found") from None
+        except Exception as e:  # noqa: BLE001 - the store's failure as one line
+            raise objects.error(e, "read") from None
+        return local
+    return fetch_checkpoint(url, into, dict(options or {}))
