@@ -310,3 +310,71 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
 def _latest_step(fs, bucket: str) -> int:
     latest = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
     return json.loads(fs.cat(f"{bucket}/exp/r/checkpoints/{latest}/COMPLETE"))["step"]
+
+
+def test_token_files_from_the_store_train_as_the_local_copy(s3, tmp_path: Path) -> None:
+    """Token shards in the store: read through a node-local copy (the default) and by ranged
+    requests (data.tokens.cache_gib=0, with loader workers), the losses equal the local
+    folder's."""
+    from test_tokens import LM, token_folder
+
+    fs, bucket = s3.fs(), s3.bucket()
+    folder = token_folder(tmp_path / "tokens", train_tokens=6000, val_tokens=1500)
+    train = (folder / "train.bin").read_bytes()
+    (folder / "train.bin").unlink()
+    (folder / "train_000.bin").write_bytes(train[:5000])  # two shards, read as one sequence
+    (folder / "train_001.bin").write_bytes(train[5000:])
+    for file in folder.iterdir():
+        fs.put(str(file), f"{bucket}/tokens/{file.name}")
+    job = [*LM, "data.name=tokens", "train.max_steps=5"]
+    local = launch(tmp_path / "runs" / "local", [*job, f"data.root={folder}"])
+    assert local.returncode == 0, local.stderr[-3000:]
+    url = f"s3://{bucket}/tokens"
+    copied = launch(tmp_path / "runs" / "copied", [*job, f"data.root={url}"], env=s3.env)
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    assert f"tokens from {url}" in copied.stderr
+    ranged = launch(tmp_path / "runs" / "ranged", [*job, f"data.root={url}",
+                                                   "data.tokens.cache_gib=0",
+                                                   "data.num_workers=2"], env=s3.env)
+    assert ranged.returncode == 0, ranged.stderr[-3000:]
+    assert len(local.losses()) == 5
+    assert copied.losses() == local.losses() == ranged.losses()
+
+
+def test_killed_ten_times_while_uploading_never_resumes_a_partial_checkpoint(
+        s3, tmp_path: Path) -> None:
+    """A run that saves at every step, SIGKILLed ten times at moments spread over its saves
+    (mostly inside an upload), each time relaunched: every relaunch resumes a complete
+    checkpoint (all verified), and the run ends with the losses of one never killed."""
+    import subprocess
+    import sys
+
+    from conftest import TRAIN, child_env, kill_tree
+
+    fs, bucket = s3.fs(), s3.bucket()
+    out = f"s3://{bucket}/exp"
+    job = ["ckpt.every_steps=1", "ckpt.keep_last=2", f"run.staging_dir={tmp_path / 'stage'}"]
+    straight = launch(tmp_path / "local" / "r", job)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    args = [*TINY, *job, f"run.out_dir={out}", "run.name=r"]
+    env = child_env(s3.env)
+    for kill in range(10):
+        before = _latest_step(fs, bucket) if fs.exists(f"{bucket}/exp/r/checkpoints/latest") else 0
+        proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        deadline = time.monotonic() + 120
+        # Until this attempt saved once more, then a little later each time (0 to 90 ms).
+        while not (fs.exists(f"{bucket}/exp/r/checkpoints/latest")
+                   and _latest_step(fs, bucket) > before):
+            assert proc.poll() is None and time.monotonic() < deadline, f"attempt {kill} ended"
+            time.sleep(0.01)
+        time.sleep(kill * 0.01)
+        kill_tree(proc.pid, 9)
+        proc.wait(timeout=30)
+        verified = dtrain("verify", f"{out}/r", env=s3.env)
+        assert verified.returncode == 0, verified.stdout  # every marked checkpoint intact
+    last = launch(tmp_path / "x" / "r", [*job, f"run.out_dir={out}"], env=s3.env)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert "resumed from" in last.stderr
+    assert _losses(_metrics(fs, f"{out}/r")) == straight.losses()

@@ -236,12 +236,15 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.model.init_from:
         urls.check_location(cfg.model.init_from, "model.init_from")
     urls.check_options(cfg.run.storage_options)
-    if urls.is_url(cfg.data.root):
+    if urls.is_url(cfg.data.root) and cfg.data.name != "tokens":
+        urls.check_location(cfg.data.root, "data.root")
         raise UserError(
-            f"config error: data.root: {cfg.data.root}: data is read from a disk for now (runs, "
-            f"checkpoints and model.init_from may be in an object store); copy it to a "
+            f"config error: data.root: {cfg.data.root}: of an object store, dtrain reads token "
+            f"files (data.name: tokens); data.name {cfg.data.name} reads a disk: copy it to a "
             f"node-local folder first (aws s3 sync {cfg.data.root} DIR) and set data.root=DIR"
         )
+    if cfg.data.name == "tokens":
+        urls.check_location(cfg.data.root, "data.root")
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(
         isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas

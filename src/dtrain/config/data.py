@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtrain.config.fields import AT_LEAST_ONE, option
+from dtrain.config.fields import AT_LEAST_ONE, NON_NEGATIVE, option
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,12 @@ class TokensConfig:
         check=AT_LEAST_ONE,
         doc="the tokenizer's vocabulary, for a folder without `meta.json`; the `gpt` model's "
         "vocabulary comes from it",
+    )
+    cache_gib: float = option(
+        16.0,
+        check=NON_NEGATIVE,
+        doc="token files in an object store (`data.root: s3://...`): a node-local copy when the "
+        "folder is at most this large, else (and with 0) ranged reads",
     )
 
 

@@ -19,6 +19,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,11 @@ from torch.utils.data import Dataset
 
 from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
+from dtrain.core.urls import is_url, join
+from dtrain.data import remote_tokens
 from dtrain.data.decode import BadSample
 from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
+from dtrain.data.remote_tokens import RemoteShard
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.files import names
 from dtrain.process import dist
@@ -54,7 +58,7 @@ class Span:
 
     def __init__(
         self,
-        parts: Sequence[str | np.ndarray],
+        parts: Sequence[str | np.ndarray | RemoteShard],
         dtype: type,
         separator: int | None = None,
         start: int = 0,
@@ -71,8 +75,11 @@ class Span:
         self.start, self.stop = start, total if stop is None else stop
         self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def _file_tokens(self, path: str) -> int:
-        size = os.path.getsize(path)
+    def _file_tokens(self, part: str | RemoteShard) -> int:
+        if isinstance(part, RemoteShard):
+            size, path = part.nbytes, part.url
+        else:
+            size, path = os.path.getsize(part), part
         if size % self.dtype.itemsize:
             raise UserError(
                 f"data error: {path} has {size} bytes, not a whole number of {self.dtype.name} "
@@ -97,6 +104,8 @@ class Span:
             return array
         if self.sizes[k] == 0:  # numpy cannot map an empty file
             array = np.zeros(0, dtype=self.dtype)
+        elif isinstance(source, RemoteShard):
+            array = source.open(self.dtype)
         else:
             array = np.memmap(source, dtype=self.dtype, mode="r")
         self._maps[k] = array
@@ -116,7 +125,10 @@ class Span:
         whole = self.start + position
         k = bisect.bisect_right(self.offsets, whole) - 1
         source = self.parts[k]
-        name = source if isinstance(source, str) else "the built-in corpus"
+        if isinstance(source, RemoteShard):
+            name = source.url
+        else:
+            name = source if isinstance(source, str) else "the built-in corpus"
         return name, whole - self.offsets[k]
 
     def read(self, position: int, out: np.ndarray) -> None:
@@ -239,14 +251,22 @@ class Folder:
         }
 
 
-def _split_files(root: str, split: str) -> list[str]:
-    single = os.path.join(root, names.token_file(split))
-    shards = sorted(glob.glob(os.path.join(glob.escape(root), names.token_shards(split))))
-    if os.path.isfile(single) and shards:
+def _split_files(root: str, split: str, listed: dict[str, int] | None = None) -> list[str]:
+    """A split's files in reading order: on a disk, or among the names `listed` in a store."""
+    if listed is not None:
+        single = f"{root.rstrip('/')}/{names.token_file(split)}"
+        pattern = names.token_shards(split)
+        shards = [f"{root.rstrip('/')}/{n}" for n in sorted(listed) if fnmatch(n, pattern)]
+        present = names.token_file(split) in listed
+    else:
+        single = os.path.join(root, names.token_file(split))
+        shards = sorted(glob.glob(os.path.join(glob.escape(root), names.token_shards(split))))
+        present = os.path.isfile(single)
+    if present and shards:
         raise UserError(
             f"data error: {root} holds both {split}.bin and {split}_*.bin shards; keep one form"
         )
-    if os.path.isfile(single):
+    if present:
         return [single]
     if not shards:
         raise UserError(
@@ -256,10 +276,24 @@ def _split_files(root: str, split: str) -> list[str]:
     return shards
 
 
-def _read_meta(path: str) -> dict[str, Any]:
+def _parts(
+    root: str, paths: list[str], listed: dict[str, int] | None, cache_gib: float
+) -> list[str | RemoteShard]:
+    """The files as a Span reads them: paths on a disk, shards in a store."""
+    if listed is None:
+        return list(paths)
+    cache = remote_tokens.cache_folder(root, listed, cache_gib)
+    shards = [os.path.basename(p) for p in paths]
+    return [RemoteShard(root, n, listed[n], cache) for n in shards]
+
+
+def _read_meta(path: str, data: bytes | None = None) -> dict[str, Any]:
+    """meta.json at `path` (its bytes `data` when read from a store)."""
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        meta = json.loads(data)
     except (OSError, ValueError) as e:
         raise UserError(f"data error: cannot read {path}: {e}") from None
     if not isinstance(meta, dict):
@@ -290,15 +324,19 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
     """The token folder at data.root, checked from its metadata and file sizes (no tokens read);
     its `splits` only (evaluation reads val alone)."""
     root, keys = cfg.root, cfg.tokens
-    if not os.path.isdir(root):
+    listed: dict[str, int] | None = None
+    meta_bytes: bytes | None = None
+    if is_url(root):
+        listed, meta_bytes = remote_tokens.listing(root)
+    elif not os.path.isdir(root):
         raise UserError(
             f"data error: token folder not found at '{root}': set data.root to a folder of "
             f"train.bin and val.bin (e.g. made by dtrain tokenize)"
         )
-    files = {split: _split_files(root, split) for split in splits}
-    meta_path = os.path.join(root, names.TOKEN_META)
-    if os.path.isfile(meta_path):
-        meta = _read_meta(meta_path)
+    files = {split: _split_files(root, split, listed) for split in splits}
+    meta_path = join(root, names.TOKEN_META) if listed else os.path.join(root, names.TOKEN_META)
+    if meta_bytes is not None or (listed is None and os.path.isfile(meta_path)):
+        meta = _read_meta(meta_path, meta_bytes)
         dtype = _meta_value(meta, "dtype", meta_path, DTYPES.__contains__, "uint16 or uint32")
         vocab = _meta_value(meta, "vocab_size", meta_path, _is_count, "a positive integer")
         for key, mine in (("dtype", dtype), ("vocab_size", vocab)):
@@ -320,7 +358,8 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
         meta, dtype, vocab = {}, keys.dtype, keys.vocab_size
         per_token = {split: None for split in files}
         described = "data.tokens.dtype and data.tokens.vocab_size"
-    spans = {split: Span(paths, DTYPES[dtype]) for split, paths in files.items()}
+    spans = {split: Span(_parts(root, paths, listed, keys.cache_gib), DTYPES[dtype])
+             for split, paths in files.items()}  # fmt: skip
     for split, paths in files.items():
         said = (meta.get("tokens") or {}).get(split)
         if isinstance(said, int) and said != len(spans[split]):

@@ -40,6 +40,9 @@ class RemoteStore(Store):
         self.location = self.checkpoints.url
         self.options = dict(options)
         self.retries_saves = True  # a connection lost or the store overloaded: it passes
+        # Called before each marker is written: the run's records up to the checkpoint go up
+        # first, so that a resume from it never finds them short (a gap before its step).
+        self.before_marker: Callable[[], None] = lambda: None
 
     def complete(self) -> list[Entry]:
         entries = []
@@ -110,6 +113,7 @@ class RemoteStore(Store):
             digest=ALGORITHM,
             digests={n: digests[n] for n in sorted(files)},
         )
+        self.before_marker()
         self.checkpoints.pipe(f"{name}/{MARKER}", json.dumps(seal(marker), indent=1).encode())
         self.checkpoints.pipe(LATEST, (name + "\n").encode())
         shutil.rmtree(tmp, ignore_errors=True)

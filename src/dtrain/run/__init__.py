@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,7 +128,9 @@ class RemoteRun:
         self.mirror = RecordMirror(cfg.run_dir, self.run, cfg.run.upload_every_s, rank)
 
     def store(self, run_dir: str) -> Store:
-        return RemoteStore(run_dir, self.run, self.options)
+        store = RemoteStore(run_dir, self.run, self.options)
+        store.before_marker = self.mirror.sync  # the records up to a checkpoint, before it
+        return store
 
     def close(self) -> None:
         self.mirror.stop()
@@ -272,11 +273,8 @@ def _train(
         except OSError as e:  # a full disk at the start of a resume: one line, nothing lost
             raise outputs.output_error("train", run_dir, e) from None
     run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
-    saved: list[Callable[[TrainState], None]] = [record.update]
     if remote is not None:
-        mirror = remote.mirror
-        mirror.start()
-        saved.append(lambda _state: mirror.sync())
+        remote.mirror.start()  # and before each checkpoint's marker (RemoteRun.store)
     pieces.notes.append(optim.describe_groups(optimizer))
     clock.mark("run directory and resume")
     shown = f"{cfg.run_url} (staged in {run_dir})" if cfg.run_url else run_dir
@@ -295,7 +293,7 @@ def _train(
         log.info(clock.line())
         return {**world, **_log_state_bytes(model, optimizer, ema)}
 
-    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=saved)
+    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
     if layout.env.slurm_job_id and dist.is_main():
         job_id = layout.env.slurm_job_id
         callbacks.before_stop_save.append(

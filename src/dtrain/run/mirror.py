@@ -1,6 +1,7 @@
 """A run in an object store keeps its records in this node's staging folder and uploads them:
-every `run.upload_every_s` seconds, at every checkpoint and at exit. A killed run loses at most
-the records since the last upload (never a checkpoint: those are uploaded by the save itself).
+every `run.upload_every_s` seconds, before every checkpoint's marker (a resume from it never finds
+its records short) and at exit. A killed run loses at most the records since the last upload
+(never a checkpoint: those are uploaded by the save itself).
 
 Rank 0 mirrors the run's records (config.yaml, metrics.jsonl, trackers.json, log.txt, tb/,
 profile/, evals/); every other rank its own log file. At the start, each fetches what it mirrors
