@@ -28,6 +28,7 @@ import headline  # noqa: E402
 import image_folder  # noqa: E402
 import input_pipeline  # noqa: E402
 import memory  # noqa: E402
+import objstore_io  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
 import startup  # noqa: E402
@@ -39,7 +40,7 @@ BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memor
               "frontier": frontier,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
-              "tokenize": tokenize_speed, "tokens": tokens_data}
+              "tokenize": tokenize_speed, "tokens": tokens_data, "objstore": objstore_io}
 # Run on request only (--only exit_codes): 40 launches, several minutes. The timed ones first;
 # the memory ones (peak RSS, the frontier's depths) last, as the machine's load moves them least.
 MEMORY = ["memory", "frontier"]

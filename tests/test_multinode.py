@@ -10,7 +10,8 @@ rendezvous on the first host's address (never 127.0.0.1), and must train exactly
 - `sbatch --nodes=2` of both batch scripts: ranks on both hosts, rendezvous on the first host of
   the node list at the job's port; preempted (SIGUSR1 to the batch shell), they checkpoint,
   requeue themselves once and finish with the reference's losses;
-- a run directory that the second host does not share: refused before training.
+- a run directory that the second host does not share: refused before training; the same two
+  hosts on node-local disks with the run in an S3 server: the one-host run's losses.
 
 The hosts and the cluster are started once per session (and stopped at its end if this session
 started them; `.ci/run` starts them beforehand). Where they cannot be made (not root, no network
@@ -219,7 +220,8 @@ class Agents:
 
 def start_agents(hosts: dict[str, str], run_dir: Path, overrides: list[str], port: int,
                  logs_dir: Path, rdzv_id: str = "multinode",
-                 wrap: Optional[dict[str, list[str]]] = None) -> Agents:
+                 wrap: Optional[dict[str, list[str]]] = None,
+                 env: Optional[dict[str, str]] = None) -> Agents:
     """`torchrun --nnodes=2 --nproc_per_node=1` on dtn1 and dtn2, c10d rendezvous on dtn1's
     address. `wrap[host]` is put before the agent's command on that host (inside the host)."""
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +238,8 @@ def start_agents(hosts: dict[str, str], run_dir: Path, overrides: list[str], por
             # LOGLEVEL=INFO: torchrun logs its rendezvous (endpoint, master_addr, group_rank).
             procs[host] = subprocess.Popen(
                 [str(HOSTS_SH), "exec", host, *(wrap or {}).get(host, []), *agent], cwd=REPO,
-                env=child_env({"LOGLEVEL": "INFO"}), stdout=log, stderr=subprocess.STDOUT)
+                env=child_env({"LOGLEVEL": "INFO", **(env or {})}), stdout=log,
+                stderr=subprocess.STDOUT)
     return Agents(procs, logs)
 
 
@@ -335,6 +338,54 @@ def test_second_host_killed_then_both_restarted_resumes_exactly(two_host_runs, h
         assert torch.equal(weights[name], straight[name]), name
     print(f"killed at checkpoint step {killed_at}; the agent on dtn1 ended {survivor_s:.1f} s after "
           f"dtn2 was killed, with exit code {first_code}")
+
+
+def test_two_hosts_on_node_local_disks_train_through_an_object_store(hosts, reference,
+                                                                    tmp_path: Path) -> None:
+    """No shared disk: each host has its own staging folder (dtn2's agent sees another
+    directory there, a bind mount in a mount namespace of its own) and the run is in an S3
+    server on the bridge's address. FSDP with sharded checkpoints: each rank uploads its own
+    shard from its own disk, rank 0 the marker; the losses are the one-host run's."""
+    import s3server
+
+    bridge = hosts["dtn1"].rsplit(".", 1)[0] + ".1"  # the root namespace's address on it
+    server = s3server.start(host=bridge)
+    try:
+        bucket = server.bucket()
+        stage, dtn2_disk = tmp_path / "stage", tmp_path / "dtn2-disk"
+        stage.mkdir()
+        dtn2_disk.mkdir()
+        own_disk = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                    'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(dtn2_disk),
+                    str(stage)]
+        run_dir, port = tmp_path / "unused" / "r", free_port()
+        overrides = [*JOB, FAST, "parallel.mode=fsdp", "ckpt.format=sharded",
+                     f"run.out_dir=s3://{bucket}/exp", f"run.staging_dir={stage}"]
+        agents = start_agents(hosts, run_dir, overrides, port, tmp_path / "agents",
+                              wrap={"dtn2": own_disk}, env=server.env)
+        try:
+            assert agents.wait() == {"dtn1": 0, "dtn2": 0}, agents.tails()
+        finally:
+            agents.kill()
+        fs = server.fs()
+        text = fs.cat(f"{bucket}/exp/r/metrics.jsonl").decode()
+        got = {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
+        want = reference("fsdp").losses()
+        assert got.keys() == want.keys()
+        assert all(abs(got[k] - want[k]) <= TOLERANCE["fsdp"] for k in want), (got, want)
+        latest_name = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
+        folder = f"{bucket}/exp/r/checkpoints/{latest_name}"
+        shards = {p.rsplit("/", 1)[1] for p in fs.find(folder)}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "COMPLETE"} <= shards
+        assert fs.exists(f"{bucket}/exp/r/log.rank1.txt")
+        # Each host wrote on its own disk: dtn2's staging folder holds rank 1's log only.
+        theirs = {p.name for p in dtn2_disk.rglob("*") if p.is_file()}
+        assert "log.rank1.txt" in theirs and "metrics.jsonl" not in theirs, theirs
+        ours = {p.name for p in stage.rglob("*") if p.is_file()}
+        assert "metrics.jsonl" in ours and "log.rank1.txt" not in ours, ours
+        assert not run_dir.parent.exists()
+    finally:
+        s3server.stop(server)
 
 
 def test_run_directory_not_shared_by_the_second_host_is_refused(hosts, tmp_path: Path) -> None:

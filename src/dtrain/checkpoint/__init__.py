@@ -50,6 +50,7 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
 from dtrain.files.objstore import is_url
 from dtrain.files.store import (
+    FETCHED_PREFIX,
     LATEST,
     MARKER,
     CheckpointError,
@@ -428,7 +429,7 @@ class Checkpointer:
     def _load(self, path: str) -> None:
         """Read the checkpoint, check it against the model and the config, then apply it. One
         in an object store is read from a local copy, removed once it was applied."""
-        into = os.path.join(self.store.dir, f".fetched-{dist.rank()}")
+        into = os.path.join(self.store.dir, f"{FETCHED_PREFIX}{dist.rank()}")
         local = local_folder(path, into, self.store.options)
         shown = path.rstrip("/") if is_url(path) else None
 

@@ -45,6 +45,7 @@ LOCK_FILE = names.LOCK
 CHECKPOINTS = names.CHECKPOINTS
 SUPERSEDED = names.SUPERSEDED
 TMP_PREFIX = ".tmp-"
+FETCHED_PREFIX = ".fetched-"  # a checkpoint of an object store, copied here to be read
 # What a run leaves beside its checkpoints that belongs to the same history.
 RECORD_FILES = (names.METRICS, names.TENSORBOARD)
 _LEGACY_NAME = re.compile(r"^step_(\d+)-epoch_(\d+)(?:-([A-Za-z_]+)_(-?[0-9.]+|nan|inf))?$")
@@ -269,6 +270,8 @@ class Store:
                 continue
             if name.startswith(TMP_PREFIX):
                 log.warning(f"removing incomplete checkpoint {path}")
+                shutil.rmtree(path, ignore_errors=True)
+            elif name.startswith(FETCHED_PREFIX):  # a copy a killed resume left
                 shutil.rmtree(path, ignore_errors=True)
             elif read_marker(path) is None:
                 unmarked.append(Entry(name, path, {}))
