@@ -96,9 +96,9 @@ class StartingWeights:
         """`options`: run.storage_options, for an init_from in an object store."""
         self.cfg = cfg
         self.path = pretrained_path(cfg.name) if cfg.pretrained else str(cfg.init_from)
-        self.named = self.path  # as the user named it (a URL's local copy is read)
+        self.url = self.path if is_url(self.path) else None  # a URL's local copy is read
         self.fetched_into: str | None = None
-        if is_url(self.path):
+        if self.url:
             self.fetched_into = tempfile.mkdtemp(prefix="dtrain-init-from-")
             self.path = _fetched(self.path, self.fetched_into, options)
         ours = _model_tensors(model)
@@ -110,9 +110,14 @@ class StartingWeights:
         if folder is not None and self.sharded_folder is None:
             self.path = os.path.join(folder, FULL_FILE)
         if not os.path.exists(self.path):
-            raise UserError(f"config error: model.init_from: {self.named} not found")
+            raise UserError(f"config error: model.init_from: {self.shown} not found")
         self.weights: dict[str, torch.Tensor] | None = None  # read by rank 0 only
         self.count = dist.on_main(lambda: self._check(shapes))
+
+    @property
+    def shown(self) -> str:
+        """The weights' place for messages: the URL, or the local file read."""
+        return self.url or self.path
 
     def _excluded(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for glob in self.cfg.init_exclude)
@@ -132,7 +137,7 @@ class StartingWeights:
         problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
         if problem:
             raise UserError(
-                f"config error: model.init_from: {self.named}: {problem}; leave weights "
+                f"config error: model.init_from: {self.shown}: {problem}; leave weights "
                 f"out with model.init_exclude (e.g. [fc.*] for another head)"
             )
         return len(set(shapes) & set(theirs))
@@ -162,7 +167,7 @@ class StartingWeights:
                 set_model_state_dict(model, weights, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             raise UserError(
-                f"config error: model.init_from: {self.named}: {first_line(e)}"
+                f"config error: model.init_from: {self.shown}: {first_line(e)}"
             ) from None
         finally:
             self.weights = None
@@ -176,7 +181,7 @@ class StartingWeights:
             if self.excluded
             else ""
         )
-        return f"initial weights from {self.named}: {self.count} tensors{left}"
+        return f"initial weights from {self.shown}: {self.count} tensors{left}"
 
 
 def _fetched(url: str, into: str, options: dict[str, Any] | None) -> str:
