@@ -71,22 +71,9 @@ if TYPE_CHECKING:
     from dtrain.loop.ema import EmaWeights
     from dtrain.loop.state import TrainState
 
-__all__ = [
-    "CheckpointError",
-    "Checkpointer",
-    "Resumed",
-    "Stateful",
-    "ConfigChanged",
-    "open_checkpoint",
-    "load_file",
-    "DCP_DIR",
-    "FULL_FILE",
-    "META_FILE",
-    "LATEST",
-    "MARKER",
-    "Store",
-    "read_marker",
-]
+__all__ = ["CheckpointError", "Checkpointer", "Resumed", "Stateful", "ConfigChanged",
+           "open_checkpoint", "load_file", "DCP_DIR", "FULL_FILE", "META_FILE", "LATEST",
+           "MARKER", "Store", "read_marker"]  # fmt: skip
 
 
 class Checkpointer:
@@ -124,7 +111,7 @@ class Checkpointer:
         self.superseded: str | None = None  # where an abandoned history was moved
         self._thread: threading.Thread | None = None
         self._before_save: int | None = None  # the last saved step before the save under way
-        self.last_error: CheckpointError | None = None  # of a save that failed and was let go
+        self.last_error: CheckpointError | None = None  # a failed save that was let go
         self._error: BaseException | None = None
         self._resumed: Resumed | None = None
         # Background saves run their collectives on a group of their own, so that they never
@@ -320,10 +307,9 @@ class Checkpointer:
             self._failed(error)
 
     def _failed(self, error: CheckpointError) -> None:
-        """A save that failed: the end of the run on a disk (full, read-only: it stays so);
-        in an object store (a connection lost, the store overloaded: it passes), one warning,
-        training goes on, and the next save tries again (the previous checkpoint stays the
-        latest). Every rank comes here alike: they agreed on the failure."""
+        """A failed save ends the run on a disk (full, read-only: it stays so); in an object
+        store (a connection lost: it passes) it is one warning and the next save tries again.
+        Every rank comes here alike: they agreed on the failure."""
         if not self.store.retries_saves:
             raise error
         self.last_error = error
@@ -460,6 +446,10 @@ class Checkpointer:
                 apply_sharded(self.model, self.optimizer, folder, ema)
             if self.ema is not None:
                 self.ema.apply(ema)
+        except UserError as e:  # a damaged file of a store's checkpoint: named by its URL
+            if shown and local in str(e):
+                raise type(e)(str(e).replace(local, shown)) from None
+            raise
         finally:
             self._full_data = None
             if shown:
