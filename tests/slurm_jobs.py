@@ -22,7 +22,7 @@ def slurm_env(conf: Optional[str] = None, extra: Optional[dict] = None) -> dict:
     """The environment of a user of the cluster (SLURM_CONF points at `conf` when given), without
     the variables of a job the suite itself may run in."""
     env = {k: v for k, v in child_env(extra).items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env["PYTHON"] = sys.executable
+    env["PYTHON"] = (extra or {}).get("PYTHON", sys.executable)  # a test may give its own
     if conf:
         env["SLURM_CONF"] = conf
     return env

@@ -340,52 +340,56 @@ def test_second_host_killed_then_both_restarted_resumes_exactly(two_host_runs, h
           f"dtn2 was killed, with exit code {first_code}")
 
 
-def test_two_hosts_on_node_local_disks_train_through_an_object_store(hosts, reference,
+@pytest.fixture(scope="module")
+def bridge_s3(hosts: dict[str, str]):
+    """An S3 server on the bridge's address of the root namespace: reachable from both hosts."""
+    import s3server
+
+    server = s3server.start(host=hosts["dtn1"].rsplit(".", 1)[0] + ".1")
+    yield server
+    s3server.stop(server)
+
+
+def test_two_hosts_on_node_local_disks_train_through_an_object_store(hosts, reference, bridge_s3,
                                                                     tmp_path: Path) -> None:
     """No shared disk: each host has its own staging folder (dtn2's agent sees another
     directory there, a bind mount in a mount namespace of its own) and the run is in an S3
     server on the bridge's address. FSDP with sharded checkpoints: each rank uploads its own
     shard from its own disk, rank 0 the marker; the losses are the one-host run's."""
-    import s3server
-
-    bridge = hosts["dtn1"].rsplit(".", 1)[0] + ".1"  # the root namespace's address on it
-    server = s3server.start(host=bridge)
+    server = bridge_s3
+    bucket = server.bucket()
+    stage, dtn2_disk = tmp_path / "stage", tmp_path / "dtn2-disk"
+    stage.mkdir()
+    dtn2_disk.mkdir()
+    own_disk = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(dtn2_disk),
+                str(stage)]
+    run_dir, port = tmp_path / "unused" / "r", free_port()
+    overrides = [*JOB, FAST, "parallel.mode=fsdp", "ckpt.format=sharded",
+                 f"run.out_dir=s3://{bucket}/exp", f"run.staging_dir={stage}"]
+    agents = start_agents(hosts, run_dir, overrides, port, tmp_path / "agents",
+                          wrap={"dtn2": own_disk}, env=server.env)
     try:
-        bucket = server.bucket()
-        stage, dtn2_disk = tmp_path / "stage", tmp_path / "dtn2-disk"
-        stage.mkdir()
-        dtn2_disk.mkdir()
-        own_disk = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                    'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(dtn2_disk),
-                    str(stage)]
-        run_dir, port = tmp_path / "unused" / "r", free_port()
-        overrides = [*JOB, FAST, "parallel.mode=fsdp", "ckpt.format=sharded",
-                     f"run.out_dir=s3://{bucket}/exp", f"run.staging_dir={stage}"]
-        agents = start_agents(hosts, run_dir, overrides, port, tmp_path / "agents",
-                              wrap={"dtn2": own_disk}, env=server.env)
-        try:
-            assert agents.wait() == {"dtn1": 0, "dtn2": 0}, agents.tails()
-        finally:
-            agents.kill()
-        fs = server.fs()
-        text = fs.cat(f"{bucket}/exp/r/metrics.jsonl").decode()
-        got = {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
-        want = reference("fsdp").losses()
-        assert got.keys() == want.keys()
-        assert all(abs(got[k] - want[k]) <= TOLERANCE["fsdp"] for k in want), (got, want)
-        latest_name = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
-        folder = f"{bucket}/exp/r/checkpoints/{latest_name}"
-        shards = {p.rsplit("/", 1)[1] for p in fs.find(folder)}
-        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "COMPLETE"} <= shards
-        assert fs.exists(f"{bucket}/exp/r/log.rank1.txt")
-        # Each host wrote on its own disk: dtn2's staging folder holds rank 1's log only.
-        theirs = {p.name for p in dtn2_disk.rglob("*") if p.is_file()}
-        assert "log.rank1.txt" in theirs and "metrics.jsonl" not in theirs, theirs
-        ours = {p.name for p in stage.rglob("*") if p.is_file()}
-        assert "metrics.jsonl" in ours and "log.rank1.txt" not in ours, ours
-        assert not run_dir.parent.exists()
+        assert agents.wait() == {"dtn1": 0, "dtn2": 0}, agents.tails()
     finally:
-        s3server.stop(server)
+        agents.kill()
+    fs = server.fs()
+    text = fs.cat(f"{bucket}/exp/r/metrics.jsonl").decode()
+    got = {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
+    want = reference("fsdp").losses()
+    assert got.keys() == want.keys()
+    assert all(abs(got[k] - want[k]) <= TOLERANCE["fsdp"] for k in want), (got, want)
+    latest_name = fs.cat(f"{bucket}/exp/r/checkpoints/latest").decode().strip()
+    folder = f"{bucket}/exp/r/checkpoints/{latest_name}"
+    shards = {p.rsplit("/", 1)[1] for p in fs.find(folder)}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "COMPLETE"} <= shards
+    assert fs.exists(f"{bucket}/exp/r/log.rank1.txt")
+    # Each host wrote on its own disk: dtn2's staging folder holds rank 1's log only.
+    theirs = {p.name for p in dtn2_disk.rglob("*") if p.is_file()}
+    assert "log.rank1.txt" in theirs and "metrics.jsonl" not in theirs, theirs
+    ours = {p.name for p in stage.rglob("*") if p.is_file()}
+    assert "metrics.jsonl" in ours and "log.rank1.txt" not in ours, ours
+    assert not run_dir.parent.exists()
 
 
 def test_run_directory_not_shared_by_the_second_host_is_refused(hosts, tmp_path: Path) -> None:
@@ -539,3 +543,58 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_exactly(submit, referen
     # every step once, in order, across both attempts; the numbers are the reference's
     assert train_steps(run_dir) == list(range(1, STEPS + 1))
     assert_same_run(run_dir, reference("ddp"), TOLERANCE["ddp"], tmp_path)
+
+
+@pytest.mark.slurm
+def test_sbatch_two_nodes_on_local_disks_preempted_requeues_through_an_object_store(
+        submit, reference, slow_requeue, bridge_s3, tmp_path: Path) -> None:
+    """The run in the S3 server, every node on a local disk of its own ($TMPDIR, where the
+    staging folder is by default), and the requeued job on fresh local disks: SIGUSR1, a
+    checkpoint uploaded, a requeue, a resume from the store alone; the reference's losses."""
+    server, disks = bridge_s3, tmp_path / "disks"
+    bucket = server.bucket()
+    # What a cluster's prolog does: TMPDIR on each node's own disk, a new one for each attempt
+    # (a requeued job may land on other nodes, with nothing of its first attempt on them).
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'TMPDIR="{disks}/${{SLURMD_NODENAME:-batch}}.restart${{SLURM_RESTART_COUNT:-0}}"\n'
+        'mkdir -p "$TMPDIR" && export TMPDIR\n'
+        f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = f"s3://{bucket}/exp"
+    job = submit("slurm/train_torchrun.sbatch", [*JOB, PACED, "run.name=null", f"run.out_dir={out}"],
+                 {**slow_requeue, **server.env, "PYTHON": str(python)})
+    deadline = time.monotonic() + 180
+    while not [int(s) for s in re.findall(r" step (\d+) \| epoch", job.output()) if int(s) >= 5]:
+        assert job.fields().get("JobState") not in FINAL_STATES, job.output()[-4000:]
+        assert time.monotonic() < deadline, f"no step 5 after 180 s:\n{job.output()[-4000:]}"
+        time.sleep(0.2)
+    job.cancel(signal="USR1")
+    fields = job.wait_end()
+    output = job.output()
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        output[-6000:]
+    stopped = re.search(r"stop requested \(SIGUSR1\) at step (\d+)", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
+    assert 5 <= step < STEPS
+    assert f"requeueing SLURM job {job.id}" in output
+    run_url = f"{out}/job_{job.id}"
+    assert f"resumed from {run_url}/checkpoints/step_{step:06d}-" in output, output[-4000:]
+    assert_ran_across_both_nodes(job, fields, "slurm/train_torchrun.sbatch", restart=0)
+    assert_ran_across_both_nodes(job, fields, "slurm/train_torchrun.sbatch", restart=1)
+    # The run, read back from the store: every step once, the reference's numbers.
+    run_dir = tmp_path / "from-the-store" / f"job_{job.id}"
+    server.fs().get(f"{bucket}/exp/job_{job.id}", str(run_dir), recursive=True)
+    assert train_steps(run_dir) == list(range(1, STEPS + 1))
+    assert_same_run(run_dir, reference("ddp"), TOLERANCE["ddp"], tmp_path)
+    # Each node of each attempt wrote on its own disk: rank 0's records on the first node's,
+    # rank 1's log on the other's; no attempt found a file of the one before on its disks.
+    staged = {d.name: {p.name for p in d.rglob("*") if p.is_file()} for d in disks.iterdir()
+              if not d.name.startswith("batch")}
+    assert sorted(staged) == [f"{n}.restart{r}" for n in ("dtn1", "dtn2") for r in (0, 1)], staged
+    for restart in (0, 1):
+        assert "metrics.jsonl" in staged[f"dtn1.restart{restart}"], staged
+        assert "log.rank1.txt" in staged[f"dtn2.restart{restart}"], staged
+        assert "metrics.jsonl" not in staged[f"dtn2.restart{restart}"], staged
