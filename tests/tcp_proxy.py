@@ -1,6 +1,7 @@
 """A TCP proxy a test controls: in front of a server, it forwards every connection until cut(),
 which drops the open connections and refuses new ones (as a network partition or a lost endpoint
-would), until restore()."""
+would), until restore(). slow_down(n) answers the next n requests itself with S3's "503 Slow
+Down", as a busy bucket does."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ class Proxy:
         self.cut_off = threading.Event()
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._to_slow_down = 0
+        self.slowed_down = 0  # requests answered with 503 so far
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -36,6 +39,14 @@ class Proxy:
     def restore(self) -> None:
         self.cut_off.clear()
 
+    def slow_down(self, requests: int) -> None:
+        """Answer the next `requests` requests with 503 SlowDown (each on a connection of its
+        own: the open ones are dropped, so that the client's next request opens a new one)."""
+        with self._lock:
+            self._to_slow_down = requests
+        self.cut()
+        self.restore()
+
     def close(self) -> None:
         self.cut()
         self.listener.close()
@@ -48,6 +59,12 @@ class Proxy:
                 return
             if self.cut_off.is_set():
                 client.close()
+                continue
+            with self._lock:
+                slow = self._to_slow_down > 0
+                self._to_slow_down -= slow
+            if slow:
+                threading.Thread(target=self._answer_slow_down, args=(client,), daemon=True).start()
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
@@ -74,3 +91,24 @@ class Proxy:
             with self._lock:
                 self._open.discard(source)
                 self._open.discard(sink)
+
+    def _answer_slow_down(self, client: socket.socket) -> None:
+        """Read one request's head (a PUT waits for "100 Continue" before its body, and gets
+        the 503 instead), answer 503 SlowDown as S3 words it, close."""
+        body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                b"<Message>Please reduce your request rate.</Message></Error>")
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = client.recv(65536)
+                if not data:
+                    return
+                head += data
+            client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                           b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            with self._lock:
+                self.slowed_down += 1
+        except OSError:
+            pass
+        finally:
+            client.close()

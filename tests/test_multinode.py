@@ -11,7 +11,8 @@ rendezvous on the first host's address (never 127.0.0.1), and must train exactly
   the node list at the job's port; preempted (SIGUSR1 to the batch shell), they checkpoint,
   requeue themselves once and finish with the reference's losses;
 - a run directory that the second host does not share: refused before training; the same two
-  hosts on node-local disks with the run in an S3 server: the one-host run's losses.
+  hosts on node-local disks with the run in an S3 server: the one-host run's losses, under
+  torchrun and under `sbatch` preempted and requeued onto fresh local disks.
 
 The hosts and the cluster are started once per session (and stopped at its end if this session
 started them; `.ci/run` starts them beforehand). Where they cannot be made (not root, no network
