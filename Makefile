@@ -1,7 +1,7 @@
 # make train: set up .venv if needed, then the main job (2-rank DDP on the default config).
 # make test:  the same set-up, then lint, type and layer checks (make lint), then the whole test
-#             suite on TEST_WORKERS pytest workers (each file on one; the SLURM and multi-host
-#             files on one between them), with its 25 slowest tests last.
+#             suite on TEST_WORKERS pytest workers (each file on one; the files of one SLURM
+#             cluster or of the test hosts on one between them), with its 25 slowest tests last.
 # make bench: benchmarks against a plain PyTorch loop (figures, never pass/fail).
 VENV    ?= .venv
 PYTHON  ?= python3

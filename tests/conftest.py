@@ -264,24 +264,49 @@ def fill_disk(folder: Path) -> None:
 
 
 
-# The files whose tests use the SLURM clusters or the test hosts: under `make test` (pytest -n N)
-# they run on one worker, one test at a time, as those services expect (two at once would wait
-# for each other's nodes).
-SERVICES = ("tests/test_slurm.py", "tests/test_multinode.py", "tests/test_elastic.py",
-            "tests/test_sweep.py")
+# The files whose tests use a SLURM cluster or the test hosts: under `make test` (pytest -n N)
+# the files of one service run on one worker, one test at a time, as the service expects (two
+# at once would wait for each other's nodes). The one-node cluster is not on the test hosts;
+# the two-node one is.
+SERVICES = {"tests/test_slurm.py": "one-node SLURM", "tests/test_sweep.py": "one-node SLURM",
+            "tests/test_multinode.py": "test hosts", "tests/test_elastic.py": "test hosts"}
+
+
+# The files that take longest, roughly longest first (a service's files are the longest chains):
+# workers start them first, so that none begins a long file while the others are done. The
+# rest follow in collection order. A stale order costs minutes, never a result.
+LONGEST_FIRST = ("tests/test_multinode.py", "tests/test_elastic.py", "tests/test_slurm.py",
+                 "tests/test_sweep.py", "tests/test_integrity.py", "tests/test_export_formats.py",
+                 "tests/test_checkpoint.py", "tests/test_faults.py", "tests/test_tokens.py",
+                 "tests/test_fsdp_scale.py", "tests/test_hf.py", "tests/test_images.py",
+                 "tests/test_eval.py", "tests/test_ema.py", "tests/test_tasks.py",
+                 "tests/test_data.py", "tests/test_objstore.py", "tests/test_verify.py",
+                 "tests/test_convert.py", "tests/test_plan_fit.py", "tests/test_cli.py",
+                 "tests/test_early_stop.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    order = {}  # each file's place: its rank, else after them in the order collected
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        order.setdefault(path, rank.get(path, len(rank) + len(order)))
+    items.sort(key=lambda item: order[item.nodeid.split("::", 1)[0]])  # stable: a file's order
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of xdist's: unknown where it is not loaded)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's own types
     """Under `pytest -n N`: each file's tests share a worker (and so their module fixtures, which
-    train once for many tests); the files of SERVICES share one."""
+    train once for many tests); the files of one of the SERVICES share one. Files are handed
+    out in the order collected (LONGEST_FIRST), not xdist's (most tests first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "services" if path in SERVICES else path
+            return SERVICES.get(path, path)
 
+    config.option.loadscopereorder = False
     return ByFile(config, log)
 
 
