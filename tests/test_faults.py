@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import descendants, final_weights, latest, launch, start
+from conftest import Result, descendants, final_weights, latest, launch, start
 
 FAULTY = "model.name=user_code:faulty_cnn"
 
@@ -115,11 +115,13 @@ def test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-@pytest.mark.slow
 def test_nan_policy_skip_leaves_params_and_optimizer_unchanged(tmp_path) -> None:
-    result = launch(tmp_path / "runs" / "r", [FAULTY, faulty("nan", 5), "train.nan_policy=skip",
+    # One process: what a skipped step leaves is the same on any rank (that every rank skips when
+    # one rank's loss is not finite is test_integrity.py's inf-gradient test, on 2 ranks; that
+    # every rank stops is test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint).
+    result = launch(tmp_path / "runs" / "r", [FAULTY, faulty("nan", 5, on_rank=0), "train.nan_policy=skip",
                                               "ckpt.every_steps=1", "train.max_steps=7",
-                                              "ckpt.keep_last=10"], nproc=2)
+                                              "ckpt.keep_last=10"])
     assert result.returncode == 0, result.stderr[-3000:]
     log = (result.run_dir / "log.txt").read_text()
     assert "step 5: non-finite loss or gradients, optimizer step skipped (1 in a row, 1 in all)" in log
@@ -134,10 +136,11 @@ def test_nan_policy_skip_leaves_params_and_optimizer_unchanged(tmp_path) -> None
     assert any(not torch.equal(by_step[5]["model"][k], by_step[6]["model"][k]) for k in by_step[5]["model"])
 
 
-@pytest.mark.slow
 def test_too_many_consecutive_skips_stop(tmp_path) -> None:
-    result = launch(tmp_path / "runs" / "r", [FAULTY, faulty("nan_from", 5), "train.nan_policy=skip",
-                                              "train.max_consecutive_skips=2"], nproc=2)
+    # One process: the count of skips in a row follows the skips (that every rank skips when one
+    # rank's gradients are not finite is test_integrity.py's inf-gradient test, on 2 ranks).
+    result = launch(tmp_path / "runs" / "r", [FAULTY, faulty("nan_from", 5, on_rank=0),
+                                              "train.nan_policy=skip", "train.max_consecutive_skips=2"])
     assert result.returncode != 0
     assert "3 non-finite steps in a row at step 7, more than train.max_consecutive_skips=2" in result.stderr
 
@@ -186,29 +189,35 @@ def test_unwritable_output_directory(tmp_path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_checkpoint_of_another_model_names_the_keys(tmp_path) -> None:
-    first = launch(tmp_path / "runs" / "cnn", ["train.max_steps=2"])
-    assert first.returncode == 0, first.stderr[-2000:]
-    result = launch(tmp_path / "runs" / "resnet", ["model.name=resnet_small", f"ckpt.resume={latest(first.run_dir)}"])
+# One short single-process run, read by three tests: its files' modes, its checkpoint resumed by
+# another model, and its checkpoint's size (to size a disk that holds one and a half of them).
+TWO_STEPS = ["ckpt.every_steps=2", "train.log_every=100", "train.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Result:
+    result = launch(tmp_path_factory.mktemp("two_steps") / "runs" / "cnn", TWO_STEPS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def test_checkpoint_of_another_model_names_the_keys(two_steps, tmp_path) -> None:
+    result = launch(tmp_path / "runs" / "resnet", ["model.name=resnet_small", f"ckpt.resume={latest(two_steps.run_dir)}"])
     assert result.returncode == 2
     assert ("checkpoint is from a different model: 54 key(s) missing (e.g. ['layers.0.0.bn1.bias', "
             "'layers.0.0.bn1.num_batches_tracked', 'layers.0.0.bn1.running_mean']), 12 unexpected "
             "(e.g. ['features.0.0.weight', 'features.0.1.bias', 'features.0.1.weight'])") in result.stderr
 
 
-def test_run_directory_is_private(tmp_path) -> None:
-    result = launch(tmp_path / "runs" / "r", ["train.max_steps=2"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    for path in [result.run_dir, *result.run_dir.rglob("*")]:
+def test_run_directory_is_private(two_steps) -> None:
+    for path in [two_steps.run_dir, *two_steps.run_dir.rglob("*")]:
         mode = path.stat().st_mode & 0o777
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, tmpfs) -> None:
-    common = ["ckpt.every_steps=2", "train.log_every=100"]
-    probe = launch(tmp_path / "runs" / "probe", [*common, "train.max_steps=2"])
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    one_checkpoint = sum(f.stat().st_size for f in latest(probe.run_dir).iterdir())
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(two_steps, tmpfs) -> None:
+    common = TWO_STEPS[:2]
+    one_checkpoint = sum(f.stat().st_size for f in latest(two_steps.run_dir).iterdir())
     disk = tmpfs(f"size={(one_checkpoint * 3 // 2 + 48 * 1024) // 1024}k")
     result = launch(disk / "runs" / "r", [*common, "train.max_steps=6"])
     assert result.returncode == 1

@@ -39,11 +39,15 @@ def superseded(run_dir: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 # Checkpoint order is save order
 
+LONG = [*SAVES, "train.max_steps=20", "ckpt.keep_last=10"]
+
+
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory) -> Result:
-    """Checkpoints at steps 5, 10, 15 and 20."""
+    """Checkpoints at steps 5, 10, 15 and 20 (copied and resumed by the tests of save order, of
+    config changes on resume and of links in the run directory)."""
     run_dir = tmp_path_factory.mktemp("long") / "runs" / "run"
-    result = launch(run_dir, [*SAVES, "train.max_steps=20", "ckpt.keep_last=10"])
+    result = launch(run_dir, LONG)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(checkpoint_dirs(run_dir)) == [5, 10, 15, 20]
     return result
@@ -151,23 +155,15 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path) -> None:
     assert "resumed from" in again.stderr and "step_000010" in again.stderr
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory) -> Result:
-    run_dir = tmp_path_factory.mktemp("small") / "runs" / "run"
-    result = launch(run_dir, ["train.max_steps=6", "ckpt.every_steps=3"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def test_resuming_with_a_config_that_trains_something_else_is_refused(small_run, tmp_path) -> None:
+def test_resuming_with_a_config_that_trains_something_else_is_refused(long_run, tmp_path) -> None:
     run_dir = tmp_path / "runs" / "run"
-    shutil.copytree(small_run.run_dir, run_dir)
+    shutil.copytree(long_run.run_dir, run_dir)
     table = run_dir.parent / "runs.csv"
-    shutil.copy(small_run.run_dir.parent / "runs.csv", table)
+    shutil.copy(long_run.run_dir.parent / "runs.csv", table)
     saved_config, saved_table = (run_dir / "config.yaml").read_bytes(), table.read_bytes()
     assert ",finished," in saved_table.decode()
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    refused = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=3", "optim.lr=0.01"])
+    refused = launch(run_dir, [*LONG, "train.max_steps=24", "optim.lr=0.01"])
     assert refused.returncode == 2
     # The refused launch wrote nothing of the run's: its config and its record (finished) stay.
     assert (run_dir / "config.yaml").read_bytes() == saved_config
@@ -180,16 +176,15 @@ def test_resuming_with_a_config_that_trains_something_else_is_refused(small_run,
                and p.name not in ("log.txt", ".lock")]
     assert changed == [] and not superseded(run_dir)  # nothing of the run was touched
     # Keys that do not change what is trained may change freely (here: logging and loaders).
-    allowed = launch(run_dir, ["train.max_steps=6", "ckpt.every_steps=3", "log.every_s=5",
-                               "data.num_workers=1"])
+    allowed = launch(run_dir, [*LONG, "log.every_s=5", "data.num_workers=1"])
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     # On purpose: logged, and the run goes on to the new length.
-    extended = launch(run_dir, ["train.max_steps=12", "ckpt.every_steps=3", "optim.lr=0.01",
+    extended = launch(run_dir, [*LONG, "train.max_steps=24", "optim.lr=0.01",
                                 "ckpt.resume_config_change=allow"])
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert "with a changed config (ckpt.resume_config_change=allow): optim.lr: 0.05 -> 0.01" in \
         extended.stderr
-    assert [r["step"] for r in extended.records() if "loss" in r][-1] == 12
+    assert [r["step"] for r in extended.records() if "loss" in r][-1] == 24
 
 
 def test_an_unnamed_run_is_named_after_its_slurm_job_or_its_config() -> None:
@@ -267,17 +262,42 @@ def test_infinite_gradients_with_a_finite_loss_are_skipped_and_never_saved(tmp_p
 # ---------------------------------------------------------------------------------------------
 # Sharded checkpoints: errors and safety like full ones
 
-SHARDED = ["ckpt.format=sharded", "train.max_steps=8", "ckpt.every_steps=4", "ckpt.keep_last=5",
+SHARDED = ["ckpt.format=sharded", "train.max_steps=10", "ckpt.every_steps=2", "ckpt.keep_last=5",
            *SAVES[1:]]
 
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Result:
-    """A 2-rank FSDP run with sharded checkpoints at steps 4 and 8."""
+    """A 2-rank FSDP run with sharded checkpoints at steps 2, 4, 6, 8 and 10."""
     run_dir = tmp_path_factory.mktemp("sharded") / "runs" / "run"
     result = launch(run_dir, [*SHARDED, "parallel.mode=fsdp"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(checkpoint_dirs(run_dir)) == [2, 4, 6, 8, 10]
     return result
+
+
+# Each damage on a checkpoint of its own, newest first: one 2-rank resume tries them in turn, each
+# found unusable and the previous one tried next, and goes on from step 2, the newest intact one.
+DAMAGED_AT = {"truncated_shard": 10, "random_bytes_in_shard": 8, "no_metadata": 6,
+              "random_metadata": 4}
+
+
+@pytest.fixture(scope="module")
+def damaged_sharded(sharded_run, tmp_path_factory) -> Result:
+    run_dir = tmp_path_factory.mktemp("damaged_sharded") / "runs" / "run"
+    shutil.copytree(sharded_run.run_dir, run_dir)
+    for damage, step in DAMAGED_AT.items():
+        dcp = checkpoint_dirs(run_dir)[step] / "dcp"
+        shard, metadata = dcp / "__1_0.distcp", dcp / ".metadata"
+        if damage == "truncated_shard":
+            shard.write_bytes(shard.read_bytes()[:100])
+        elif damage == "random_bytes_in_shard":
+            shard.write_bytes(os.urandom(shard.stat().st_size))
+        elif damage == "no_metadata":
+            metadata.unlink()
+        else:
+            metadata.write_bytes(os.urandom(metadata.stat().st_size))
+    return launch(run_dir, [*SHARDED, "parallel.mode=fsdp"], nproc=2)
 
 
 @pytest.mark.slow
@@ -287,11 +307,11 @@ def test_a_2_rank_sharded_sgd_checkpoint_resumes_in_one_process(sharded_run, tmp
     under the trainer's masked step (it did: an assertion inside SGD.step)."""
     run_dir = tmp_path / "runs" / "run"
     shutil.copytree(sharded_run.run_dir, run_dir)
-    result = launch(run_dir, [*SHARDED[:1], "train.max_steps=12", "ckpt.every_steps=4",
+    result = launch(run_dir, [*SHARDED[:1], "train.max_steps=14", "ckpt.every_steps=4",
                               *SAVES[1:], "parallel.mode=fsdp"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(world size 2 -> 1)" in result.stderr
-    assert [r["step"] for r in result.records() if "loss" in r][-4:] == [9, 10, 11, 12]
+    assert [r["step"] for r in result.records() if "loss" in r][-4:] == [11, 12, 13, 14]
 
 
 @pytest.mark.slow
@@ -303,25 +323,19 @@ def test_the_marker_of_a_sharded_save_lists_every_ranks_files(sharded_run) -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated_shard", "random_bytes_in_shard", "no_metadata",
                                     "random_metadata"])
-def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(sharded_run, tmp_path, damage) -> None:
-    run_dir = tmp_path / "runs" / "run"
-    shutil.copytree(sharded_run.run_dir, run_dir)
-    newest = checkpoint_dirs(run_dir)[8]
-    shard, metadata = newest / "dcp" / "__1_0.distcp", newest / "dcp" / ".metadata"
-    if damage == "truncated_shard":
-        shard.write_bytes(shard.read_bytes()[:100])
-    elif damage == "random_bytes_in_shard":
-        shard.write_bytes(os.urandom(shard.stat().st_size))
-    elif damage == "no_metadata":
-        metadata.unlink()
-    else:
-        metadata.write_bytes(os.urandom(metadata.stat().st_size))
-    result = launch(run_dir, [*SHARDED, "parallel.mode=fsdp"], nproc=2)
+def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(
+        sharded_run, damaged_sharded, damage) -> None:
+    result, step = damaged_sharded, DAMAGED_AT[damage]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"checkpoint {newest.name} is unusable" in result.stderr
-    assert "resumed from" in result.stderr and "step_000004" in result.stderr.split("resumed from")[1]
-    assert [r["step"] for r in result.records() if "loss" in r] == list(range(1, 9))
-    assert result.losses() == sharded_run.losses()  # steps 5..8 again, exactly
+    # What the resume tried, in order: each damaged checkpoint, then the previous one.
+    tried = [line for line in result.stderr.splitlines()
+             if " is unusable (" in line or "resumed from" in line]
+    damaged, previous = (checkpoint_dirs(sharded_run.run_dir)[s].name for s in (step, step - 2))
+    [mine] = [i for i, line in enumerate(tried) if f"checkpoint {damaged} is unusable (" in line]
+    assert previous in tried[mine + 1], tried
+    assert "resumed from" in result.stderr and "step_000002" in result.stderr.split("resumed from")[1]
+    assert [r["step"] for r in result.records() if "loss" in r] == list(range(1, 11))
+    assert result.losses() == sharded_run.losses()  # steps 3..10 again, exactly
 
 
 class _RunsCode:
@@ -332,10 +346,20 @@ class _RunsCode:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_sharded_metadata_that_would_run_code_is_refused(tmp_path) -> None:
-    first = launch(tmp_path / "runs" / "first", ["ckpt.format=sharded", "train.max_steps=2"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    folder = latest(first.run_dir)
+# One single-process sharded run of 3 steps, for the four tests below: each test that damages it
+# damages a copy; one compares its losses with a fresh start after a failed fallback.
+@pytest.fixture(scope="module")
+def one_process_sharded(tmp_path_factory) -> Result:
+    result = launch(tmp_path_factory.mktemp("one_process_sharded") / "runs" / "run",
+                    ["ckpt.format=sharded", "train.max_steps=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_sharded_metadata_that_would_run_code_is_refused(one_process_sharded, tmp_path) -> None:
+    run_dir = tmp_path / "runs" / "first"
+    shutil.copytree(one_process_sharded.run_dir, run_dir)
+    folder = latest(run_dir)
     pwned = tmp_path / "pwned"
     (folder / "dcp" / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(pwned))))
     marker = json.loads((folder / "COMPLETE").read_text())
@@ -352,11 +376,9 @@ def test_sharded_metadata_that_would_run_code_is_refused(tmp_path) -> None:
     assert not pwned.exists()
 
 
-def test_sharded_checkpoint_of_another_model_names_the_keys(tmp_path) -> None:
-    first = launch(tmp_path / "runs" / "cnn", ["ckpt.format=sharded", "train.max_steps=2"])
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_sharded_checkpoint_of_another_model_names_the_keys(one_process_sharded, tmp_path) -> None:
     result = launch(tmp_path / "runs" / "resnet", ["model.name=resnet_small", "ckpt.format=sharded",
-                                                   f"ckpt.resume={latest(first.run_dir)}",
+                                                   f"ckpt.resume={latest(one_process_sharded.run_dir)}",
                                                    "ckpt.resume_config_change=allow"])
     assert result.returncode == 2, result.stderr[-2000:]
     assert "checkpoint is from a different model: 54 key(s) missing (e.g. ['layers.0.0.bn1.bias'" in \
@@ -364,11 +386,11 @@ def test_sharded_checkpoint_of_another_model_names_the_keys(tmp_path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_disk_full_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path) -> None:
+def test_disk_full_during_a_sharded_save_keeps_the_previous_checkpoint(one_process_sharded,
+                                                                        tmp_path) -> None:
     common = ["ckpt.format=sharded", "ckpt.every_steps=2", "train.log_every=100"]
-    probe = launch(tmp_path / "runs" / "probe", [*common, "train.max_steps=2"])
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    size = sum(f.stat().st_size for f in latest(probe.run_dir).rglob("*") if f.is_file())
+    # The size of one checkpoint of this job (the saves of steps 2 and 3 are alike).
+    size = sum(f.stat().st_size for f in latest(one_process_sharded.run_dir).rglob("*") if f.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
     kib = (size * 3 // 2 + 48 * 1024) // 1024
@@ -387,16 +409,17 @@ def test_disk_full_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path)
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
-def test_a_fallback_chain_that_ends_fresh_starts_from_fresh_state(tmp_path) -> None:
+def test_a_fallback_chain_that_ends_fresh_starts_from_fresh_state(one_process_sharded, tmp_path) -> None:
     """The model part of the only checkpoint reads fine, its optimizer part does not: the fresh
     start must not keep the weights read before the failure."""
-    first = launch(tmp_path / "runs" / "run", ["ckpt.format=sharded", "train.max_steps=3"])
-    assert first.returncode == 0, first.stderr[-2000:]
-    shard = next((latest(first.run_dir) / "dcp").glob("__0_*.distcp"))
+    first = one_process_sharded
+    run_dir = tmp_path / "runs" / "run"
+    shutil.copytree(first.run_dir, run_dir)
+    shard = next((latest(run_dir) / "dcp").glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-2000:] = os.urandom(2000)  # the last items written: the optimizer's
     shard.write_bytes(bytes(data))
-    again = launch(first.run_dir, ["ckpt.format=sharded", "train.max_steps=3"])
+    again = launch(run_dir, ["ckpt.format=sharded", "train.max_steps=3"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "unusable" in again.stderr and "fresh start" in again.stderr
     fresh = launch(tmp_path / "runs" / "fresh", ["ckpt.format=sharded", "train.max_steps=3"])
@@ -492,11 +515,11 @@ def test_sync_batchnorm_over_two_ranks_equals_one_process_with_both_batches(
 
 @pytest.mark.parametrize("damage", ["config_link", "dangling_checkpoints"])
 def test_a_run_directory_with_a_link_to_write_through_is_refused_untouched(
-        small_run, tmp_path, damage) -> None:
+        long_run, tmp_path, damage) -> None:
     """A link where dtrain writes (config.yaml, log.txt, checkpoints/, ...) would take the
     writes outside the run: one line, exit 2, and the link's target as it was."""
     run_dir = tmp_path / "runs" / "run"
-    shutil.copytree(small_run.run_dir, run_dir)
+    shutil.copytree(long_run.run_dir, run_dir)
     outside = tmp_path / "outside.txt"
     outside.write_text("not dtrain's\n")
     if damage == "config_link":
@@ -507,7 +530,7 @@ def test_a_run_directory_with_a_link_to_write_through_is_refused_untouched(
         shutil.rmtree(run_dir / "checkpoints")
         (run_dir / "checkpoints").symlink_to(tmp_path / "nowhere")
         named = run_dir / "checkpoints"
-    refused = launch(run_dir, ["train.max_steps=6", "ckpt.every_steps=3"])
+    refused = launch(run_dir, LONG)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
         f"dtrain: run error: {named} is a symbolic link; dtrain writes inside its run directory "

@@ -254,15 +254,17 @@ def test_verify_imports_no_torch(full_run) -> None:
 # ---------------------------------------------------------------------------------------------
 # Sharded checkpoints (2 ranks, FSDP): every rank's files
 
-SHARDED = ["ckpt.format=sharded", "parallel.mode=fsdp", "train.max_steps=8", "ckpt.every_steps=4",
+SHARDED = ["ckpt.format=sharded", "parallel.mode=fsdp", "train.max_steps=12", "ckpt.every_steps=4",
            "ckpt.keep_last=5", "train.eval_every_epochs=0", "ckpt.every_epochs=0"]
 
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Result:
+    """Sharded checkpoints at steps 4, 8 and 12."""
     run_dir = tmp_path_factory.mktemp("sharded") / "runs" / "run"
     result = launch(run_dir, SHARDED, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(checkpoints(run_dir)) == [4, 8, 12]
     return result
 
 
@@ -277,29 +279,44 @@ def test_every_ranks_files_have_digests_and_verify(sharded_run) -> None:
     assert [line.split()[0] for line in checked.stdout.splitlines()[:2]] == ["intact", "intact"]
 
 
+# Each flip in a checkpoint of its own, newest first (step: the file flipped): one 2-rank resume
+# finds both, each named by its digest, and goes on from step 4.
+FLIPPED = {"tensor_in_rank1_shard": (12, "dcp/__1_0.distcp"), "metadata": (8, "dcp/.metadata")}
+
+
+@pytest.fixture(scope="module")
+def flipped_sharded(sharded_run, tmp_path_factory) -> tuple[Path, dict, Result]:
+    """A copy of the run with both flips, `dtrain verify` of each flipped checkpoint (before the
+    resume moves them aside), and the resume."""
+    run_dir = tmp_path_factory.mktemp("flipped_sharded") / "runs" / "run"
+    shutil.copytree(sharded_run.run_dir, run_dir)
+    offline = {}
+    for damage, (step, name) in FLIPPED.items():
+        folder = checkpoints(run_dir)[step]
+        if damage == "tensor_in_rank1_shard":  # read by rank 1 alone: every rank must still agree
+            flip_shard_tensor(folder / "dcp", "__1_0.distcp")
+        else:
+            flip(folder / name, (folder / name).stat().st_size // 2)
+        offline[damage] = verify(str(folder))
+    return run_dir, offline, launch(run_dir, SHARDED, nproc=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["tensor_in_rank1_shard", "metadata"])
-def test_a_flip_in_a_sharded_checkpoint_falls_back(sharded_run, tmp_path, damage) -> None:
-    run_dir = tmp_path / "runs" / "run"
-    shutil.copytree(sharded_run.run_dir, run_dir)
-    newest = checkpoints(run_dir)[8]
-    if damage == "tensor_in_rank1_shard":  # read by rank 1 alone: every rank must still agree
-        flip_shard_tensor(newest / "dcp", "__1_0.distcp")
-        name = "dcp/__1_0.distcp"
-    else:
-        metadata = newest / "dcp" / ".metadata"
-        flip(metadata, metadata.stat().st_size // 2)
-        name = "dcp/.metadata"
-    offline = verify(str(newest))
-    assert offline.returncode == 1 and f"{name}: digest" in offline.stdout, offline.stdout
-    result = launch(run_dir, SHARDED, nproc=2)
+def test_a_flip_in_a_sharded_checkpoint_falls_back(sharded_run, flipped_sharded, damage) -> None:
+    run_dir, offline, result = flipped_sharded
+    step, name = FLIPPED[damage]
+    damaged = checkpoints(sharded_run.run_dir)[step]
+    assert offline[damage].returncode == 1 and f"{name}: digest" in offline[damage].stdout, \
+        offline[damage].stdout
     assert result.returncode == 0, result.stderr[-3000:]
-    [line] = [line for line in result.stderr.splitlines() if f"checkpoint {newest.name} is unusable (" in line]
-    assert_damage_line(line, sharded_run.run_dir / "checkpoints" / newest.name, name)
+    [line] = [line for line in result.stderr.splitlines() if f"checkpoint {damaged.name} is unusable (" in line]
+    assert_damage_line(line, sharded_run.run_dir / "checkpoints" / damaged.name, name)
     assert f"resumed from {checkpoints(run_dir)[4]}" in result.stderr
     [aside] = sorted((run_dir / "superseded").iterdir())
-    assert [p.name for p in (aside / "checkpoints").iterdir()] == [newest.name]
-    assert result.losses() == sharded_run.losses()  # steps 5..8 again, from the intact state
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == \
+        sorted(checkpoints(sharded_run.run_dir)[s].name for s, _ in FLIPPED.values())
+    assert result.losses() == sharded_run.losses()  # steps 5..12 again, from the intact state
 
 
 @pytest.mark.slow
