@@ -117,8 +117,8 @@ def test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_p
 
 def test_nan_policy_skip_leaves_params_and_optimizer_unchanged(tmp_path) -> None:
     # One process: what a skipped step leaves is the same on any rank (that every rank skips when
-    # one rank's loss is not finite is test_integrity.py's inf-gradient test, on 2 ranks; that
-    # every rank stops is test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint).
+    # one rank's gradients are not finite is test_integrity.py's inf-gradient test, on 2 ranks;
+    # that every rank stops, test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint).
     result = launch(tmp_path / "runs" / "r", [FAULTY, faulty("nan", 5, on_rank=0), "train.nan_policy=skip",
                                               "ckpt.every_steps=1", "train.max_steps=7",
                                               "ckpt.keep_last=10"])
