@@ -27,7 +27,9 @@ LM = ["task.name=language_model", "model.name=gpt",
       "ckpt.monitor_mode=min"]
 # A few steps of each family, so that no weight is left at its initial value.
 FAMILIES = {
-    "simple_cnn": ["train.max_steps=3"],
+    # With EMA weights as well, so that the EMA tests export from the runs that the others do
+    # (a checkpoint without EMA weights: gpt's).
+    "simple_cnn": ["train.max_steps=3", "train.ema.decay=0.5"],
     "resnet_small": ["model.name=resnet_small", "model.args={}", "train.max_steps=3"],
     "gpt": [*LM, "train.max_steps=3"],
     # torchvision's smallest classifier, on the 32 px synthetic images
@@ -108,6 +110,17 @@ def export(*args: str, env: dict | None = None):
     return dtrain("export", *args, timeout=300, env=env)
 
 
+@pytest.fixture(scope="module")
+def simple_cnn_onnx(runs, tmp_path_factory):
+    """The ONNX export of the simple_cnn run, its check on a validation batch of 5 (a data.*
+    override): made once, read by the simple_cnn case of the family test and by
+    test_onnx_check_reads_the_batch_that_data_overrides_name."""
+    out = tmp_path_factory.mktemp("simple_cnn_onnx") / "m.onnx"
+    result = export("--run", str(runs("simple_cnn")), "--out", str(out), "--format", "onnx",
+                    "data.eval_batch_size=5")
+    return result, out
+
+
 def validation_batch(checkpoint: Path, size: int) -> torch.Tensor:
     """The model's input for `size` samples of the run's validation data, after the on-device
     step, as `dtrain export` builds it."""
@@ -128,14 +141,18 @@ def validation_batch(checkpoint: Path, size: int) -> torch.Tensor:
     pytest.param("gpt", marks=pytest.mark.slow),
     pytest.param("tv:mobilenet_v3_small", marks=pytest.mark.slow),
 ])
-def test_onnx_of_each_family_agrees_with_pytorch_under_onnxruntime(family, runs, tmp_path) -> None:
+def test_onnx_of_each_family_agrees_with_pytorch_under_onnxruntime(family, runs, tmp_path,
+                                                                   request) -> None:
     import onnx
 
     from dtrain.commands.export.command import load_model
 
     run_dir = runs(family)
-    out = tmp_path / "model.onnx"
-    result = export("--run", str(run_dir), "--out", str(out), "--format", "onnx")
+    if family == "simple_cnn":  # the module's export of it (checked on a batch of 5)
+        result, out = request.getfixturevalue("simple_cnn_onnx")
+    else:
+        out = tmp_path / "model.onnx"
+        result = export("--run", str(run_dir), "--out", str(out), "--format", "onnx")
     assert result.returncode == 0, result.stderr[-3000:]
     line = result.stdout.strip().splitlines()[-1]
     found = ONNX_LINE.search(line)
@@ -177,11 +194,12 @@ def test_onnx_of_each_family_agrees_with_pytorch_under_onnxruntime(family, runs,
     assert expected.abs().max().item() > 1e-3  # outputs with something in them to compare
 
 
-def test_onnx_check_reads_the_batch_that_data_overrides_name(runs, tmp_path) -> None:
+def test_onnx_check_reads_the_batch_that_data_overrides_name(runs, simple_cnn_onnx,
+                                                            tmp_path) -> None:
     run_dir = runs("simple_cnn")
-    result = export("--run", str(run_dir), "--out", str(tmp_path / "m.onnx"), "--format", "onnx",
-                    "data.eval_batch_size=5")
+    result, out = simple_cnn_onnx  # exported with data.eval_batch_size=5
     assert result.returncode == 0, result.stderr[-3000:]
+    assert out.is_file()
     assert ONNX_LINE.search(result.stdout.strip())[2] == "5"
     bad = export("--run", str(run_dir), "--out", str(tmp_path / "n.onnx"), "--format", "onnx",
                  "model.name=gpt")
@@ -194,7 +212,7 @@ def test_onnx_check_reads_the_batch_that_data_overrides_name(runs, tmp_path) -> 
     assert moved.returncode == 2 and len(moved.stderr.strip().splitlines()) == 1
     assert moved.stderr.startswith("dtrain: data error: ")
     assert "give its place with data.* overrides, e.g. data.root=PATH" in moved.stderr
-    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+    assert [p.name for p in tmp_path.iterdir()] == []  # neither n.onnx nor o.onnx
 
 
 # -- safetensors -----------------------------------------------------------------------------------
@@ -374,7 +392,7 @@ def test_bad_export_arguments_are_one_line_exit_2(runs, tmp_path) -> None:
 # -- EMA weights -----------------------------------------------------------------------------------
 
 def test_weights_ema_without_ema_in_the_checkpoint_is_one_line_exit_2(runs, tmp_path) -> None:
-    checkpoint = latest(runs("simple_cnn"))
+    checkpoint = latest(runs("gpt"))  # trained without train.ema
     result = export("--checkpoint", str(checkpoint), "--out", str(tmp_path / "m.onnx"),
                     "--format", "onnx", "--weights", "ema")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -391,7 +409,7 @@ def test_weights_ema_exports_the_average_in_both_formats(runs, tmp_path) -> None
     from dtrain.loop.ema import load_ema_into
     from dtrain.commands.export.command import load_model
 
-    run_dir = runs("simple_cnn", extra=("train.ema.decay=0.5",))
+    run_dir = runs("simple_cnn")  # trained with train.ema.decay=0.5
     checkpoint = latest(run_dir)
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)
     out = tmp_path / "st"
@@ -424,7 +442,8 @@ def test_weights_ema_exports_the_average_in_both_formats(runs, tmp_path) -> None
 def test_weights_ema_from_a_sharded_fsdp_checkpoint(runs, tmp_path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    run_dir = runs("simple_cnn", nproc=2, extra=("parallel.mode=fsdp", "train.ema.decay=0.5"))
+    # The sharded run test_both_formats_from_a_sharded_two_rank_fsdp_checkpoint exports too.
+    run_dir = runs("simple_cnn", nproc=2, extra=("parallel.mode=fsdp",))  # with EMA weights
     checkpoint = latest(run_dir)
     result = export("--checkpoint", str(checkpoint), "--out", str(tmp_path / "st"),
                     "--format", "safetensors", "--weights", "ema")

@@ -66,15 +66,33 @@ def test_fsdp_holds_half_the_state_per_rank(ddp, fsdp) -> None:
     assert "unsharded, as under DDP" in (fsdp.run_dir / "log.txt").read_text()
 
 
-def test_fsdp_without_resharding_and_with_activation_checkpointing_matches(ddp, tmp_path) -> None:
-    other = run(tmp_path, "fsdp_keep", "parallel.mode=fsdp", "parallel.fsdp.reshard_after_forward=false",
-                "model.activation_checkpointing=true")
-    assert_close_runs(ddp, other)
+# Activation checkpointing and accumulating two half batches each leave the numbers as they
+# are, so one run of each mode has both, and is compared with the plain runs by the tests of
+# either: ddp_ac_accum by the DDP activation checkpointing and the DDP accumulation tests,
+# fsdp_keep_ac_accum (no resharding too) by the FSDP ones.
+ACCUMULATE = ["train.grad_accum=2", "data.batch_size=8"]
 
 
-def test_activation_checkpointing_gives_the_same_losses_under_ddp(ddp, tmp_path) -> None:
-    other = run(tmp_path, "ddp_ac", "parallel.mode=ddp", "model.activation_checkpointing=true")
-    assert_close_runs(ddp, other)
+@pytest.fixture(scope="module")
+def ddp_ac_accum(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ddp_ac_accum"), "ddp_ac_accum", "parallel.mode=ddp",
+               "model.activation_checkpointing=true", *ACCUMULATE)
+
+
+@pytest.fixture(scope="module")
+def fsdp_keep_ac_accum(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("fsdp_keep_ac_accum"), "fsdp_keep_ac_accum",
+               "parallel.mode=fsdp", "parallel.fsdp.reshard_after_forward=false",
+               "model.activation_checkpointing=true", *ACCUMULATE)
+
+
+def test_fsdp_without_resharding_and_with_activation_checkpointing_matches(
+        ddp, fsdp_keep_ac_accum) -> None:
+    assert_close_runs(ddp, fsdp_keep_ac_accum)
+
+
+def test_activation_checkpointing_gives_the_same_losses_under_ddp(ddp, ddp_ac_accum) -> None:
+    assert_close_runs(ddp, ddp_ac_accum)
 
 
 def test_hybrid_sharding_matches_ddp(ddp, tmp_path) -> None:
@@ -83,10 +101,9 @@ def test_hybrid_sharding_matches_ddp(ddp, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_accumulating_two_half_batches_equals_one_full_batch(ddp, fsdp, tmp_path, mode) -> None:
+def test_accumulating_two_half_batches_equals_one_full_batch(request, ddp, fsdp, mode) -> None:
     reference = ddp if mode == "ddp" else fsdp
-    accumulated = run(tmp_path, f"accum_{mode}", f"parallel.mode={mode}", "train.grad_accum=2",
-                      "data.batch_size=8")
+    accumulated = request.getfixturevalue("ddp_ac_accum" if mode == "ddp" else "fsdp_keep_ac_accum")
     assert_close_runs(reference, accumulated)
 
 

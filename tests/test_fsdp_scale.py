@@ -5,6 +5,7 @@ fine-tuning from weights, and optimizer groups without weight decay."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -112,17 +113,40 @@ sys.addaudithook(_record)
 '''
 
 
+# Two steps of a 2-rank run with a full checkpoint, per mode, launched once for the module: the
+# run that test_rank_0_alone_reads_a_full_checkpoint resumes (from a copy) and whose optimizer
+# groups test_no_weight_decay_for_biases_norms_and_embeddings reads.
+FULL_CKPT = ["train.max_steps=4", "ckpt.every_steps=2", "ckpt.format=full"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_steps")
+    made = {}
+
+    def get(mode: str):
+        if mode not in made:
+            result = launch(root / "runs" / mode, [*FULL_CKPT, f"parallel.mode={mode}",
+                                                   "train.max_steps=2"], nproc=2)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[mode] = result
+        return made[mode]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_rank_0_alone_reads_a_full_checkpoint(tmp_path, mode) -> None:
+def test_rank_0_alone_reads_a_full_checkpoint(tmp_path, mode, two_steps) -> None:
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITE)
     opens = tmp_path / "opens"
     opens.mkdir()
-    common = ["train.max_steps=4", "ckpt.every_steps=2", "ckpt.format=full", f"parallel.mode={mode}"]
-    first = launch(tmp_path / "runs" / "r", [*common, "train.max_steps=2"], nproc=2)
+    common = [*FULL_CKPT, f"parallel.mode={mode}"]
+    first = two_steps(mode)  # train.max_steps=2: its last checkpoint is of step 2
     assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(first.run_dir, tmp_path / "runs" / "r")  # the module's run stays as it was
     env = {"OPEN_LOG": str(opens), "PYTHONPATH": f"{hook}:{child_env()['PYTHONPATH']}"}
     resumed = launch(tmp_path / "runs" / "r", [*common, "ckpt.resume_config_change=allow"],
                      nproc=2, env=env)
@@ -138,8 +162,18 @@ def test_rank_0_alone_reads_a_full_checkpoint(tmp_path, mode) -> None:
 # Fine-tuning from weights
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    result = launch(tmp_path_factory.mktemp("src") / "runs" / "src", ["train.max_steps=3"])
+def users_optimizer_run(tmp_path_factory):
+    """Six steps of a user's optimizer and schedule: the run that
+    test_a_users_optimizer_and_schedule_by_import_path checks, and whose last checkpoint the
+    init_from tests fine-tune from (`trained`)."""
+    return launch(tmp_path_factory.mktemp("src") / "runs" / "src",
+                  ["optim.name=user_tasks:rmsprop", "optim.lr=0.01",
+                   "sched.name=user_tasks:halving", "train.max_steps=6"])
+
+
+@pytest.fixture(scope="module")
+def trained(users_optimizer_run) -> Path:
+    result = users_optimizer_run
     assert result.returncode == 0, result.stderr[-3000:]
     return latest(result.run_dir)
 
@@ -213,9 +247,8 @@ def groups_of(run_dir: Path) -> list[tuple[float, set[str]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_no_weight_decay_for_biases_norms_and_embeddings(tmp_path, mode) -> None:
-    result = launch(tmp_path / "runs" / "r", ["train.max_steps=2", "ckpt.format=full",
-                                              f"parallel.mode={mode}"], nproc=2)
+def test_no_weight_decay_for_biases_norms_and_embeddings(tmp_path, mode, two_steps) -> None:
+    result = two_steps(mode)  # train.max_steps=2, ckpt.format=full, parallel.mode=mode
     assert result.returncode == 0, result.stderr[-3000:]
     (decay, decayed), (zero, exempt) = groups_of(result.run_dir)
     assert (decay, zero) == (5e-4, 0.0)
@@ -229,9 +262,8 @@ def test_no_weight_decay_for_biases_norms_and_embeddings(tmp_path, mode) -> None
     assert groups_of(explicit.run_dir)[1][1] == {"head.2.weight", "head.2.bias"}
 
 
-def test_a_users_optimizer_and_schedule_by_import_path(tmp_path) -> None:
-    result = launch(tmp_path / "runs" / "r", ["optim.name=user_tasks:rmsprop", "optim.lr=0.01",
-                                              "sched.name=user_tasks:halving", "train.max_steps=6"])
+def test_a_users_optimizer_and_schedule_by_import_path(users_optimizer_run) -> None:
+    result = users_optimizer_run
     assert result.returncode == 0, result.stderr[-3000:]
     lrs = [r["lr"] for r in result.records() if "lr" in r]
     assert lrs == pytest.approx([0.01, 0.01, 0.005, 0.005, 0.0025, 0.0025])
