@@ -95,6 +95,17 @@ def torchrun_cmd(nproc: int, nnodes: int = 1, extra: Optional[list] = None) -> l
             f"--rdzv-endpoint=127.0.0.1:{free_port()}", *(extra or [])]
 
 
+def note_launch(nproc: int, args: list[str]) -> None:
+    """With DTRAIN_TEST_LAUNCHES=FILE, each launch a test makes is a line of FILE (the test, its
+    ranks, its arguments but the run's place): to find the runs that tests make twice."""
+    path = os.environ.get("DTRAIN_TEST_LAUNCHES")
+    if path:
+        what = [a for a in args if not a.startswith(("run.out_dir=", "run.name=", "--run", "/"))]
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                                  "nproc": nproc, "args": what}) + "\n")
+
+
 def launch(run_dir: Path, overrides: list[str], nproc: int = 0, config: Optional[str] = None,
            timeout: float = 300, env: Optional[dict] = None, torchrun_args: Optional[list] = None,
            tiny: bool = True) -> Result:
@@ -102,12 +113,14 @@ def launch(run_dir: Path, overrides: list[str], nproc: int = 0, config: Optional
     args = ([f"--config={config}"] if config else []) + (TINY if tiny else []) + [
         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
     prefix = torchrun_cmd(nproc, extra=torchrun_args) if nproc else [sys.executable]
+    note_launch(nproc, args)
     proc = subprocess.run([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env), text=True,
                           capture_output=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
 def dtrain(*args: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    note_launch(0, ["dtrain", *args])
     return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=REPO, env=child_env(env),
                           text=True, capture_output=True, timeout=timeout)
 
@@ -172,6 +185,7 @@ def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = No
     """launch/train.py on the tiny job in the background, output discarded, in a session of its own."""
     args = [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
     prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
+    note_launch(nproc, args)
     return subprocess.Popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
