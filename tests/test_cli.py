@@ -5,6 +5,7 @@ checkpoint by its run directory."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,14 +94,23 @@ def trained(tmp_path_factory) -> Path:
     return out_dir / "mixed"
 
 
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`dtrain export --run` of the trained run: the export test checks it, and the full-disk
+    test starts from a copy of it as the good export that a failed one must leave."""
+    out = tmp_path_factory.mktemp("exported") / "model.pt"
+    return dtrain("export", "--out", str(out), "--run", str(trained)), out
+
+
 def test_an_export_that_cannot_be_written_leaves_the_earlier_one_and_says_why(
-        trained, tmp_path, tmpfs) -> None:
+        trained, exported, tmp_path, tmpfs) -> None:
     """A full disk, a read-only place, a directory at --out: one line, exit 2, and the good
     export that was at --out as it was (written beside it under a hidden name, then renamed)."""
     disk = tmpfs("size=512k", "small")
     out = disk / "model.pt"
-    first = dtrain("export", "--out", str(out), "--run", str(trained))
+    first, first_out = exported
     assert first.returncode == 0, first.stderr
+    shutil.copyfile(first_out, out)
     good = out.read_bytes()
     fill_disk(disk)
     full = dtrain("export", "--out", str(out), "--run", str(trained))
@@ -130,9 +140,8 @@ def test_launch_takes_overrides_before_and_after_config(trained) -> None:
     assert "name: mixed" in (trained / "config.yaml").read_text()
 
 
-def test_export_by_run_directory_takes_its_newest_checkpoint(trained, tmp_path) -> None:
-    out = tmp_path / "model.pt"
-    result = dtrain("export", "--out", str(out), "--run", str(trained))
+def test_export_by_run_directory_takes_its_newest_checkpoint(trained, exported) -> None:
+    result, out = exported
     assert result.returncode == 0, result.stderr
     newest = latest(trained)
     assert result.stdout.startswith(f"exported {newest} -> {out} (state_dict)")
