@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (final_weights, kill_then_resume, kill_when, latest, launch, saved_step,
-                      start)
+from conftest import (Result, final_weights, kill_then_resume, kill_when, latest, launch,
+                      saved_step, start)
+from dtrain import cli
 
 STEPS = 24
 SLOW = ["model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
@@ -48,14 +49,39 @@ def straight_runs(tmp_path_factory) -> dict:
     return runs
 
 
+KILLED_IN_SAVE = [*SLOW, "parallel.mode=ddp", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def killed_during_a_save(tmp_path_factory) -> tuple[Path, int, Result]:
+    """The 2-rank DDP run without loader workers (the config of straight_runs["ddp"]) SIGKILLed
+    inside its save of step 12, once step 6 is saved, then the same command again: the run
+    directory, the step of its newest complete checkpoint when killed, and the relaunch. It is
+    the kill during a save below, and the [ddp-0] case of the mid-epoch kill (a kill inside a save
+    is one mid-epoch moment; the other three cases kill wherever the run is after step 6)."""
+    base = tmp_path_factory.mktemp("save_killed")
+    run_dir = base / "runs" / "killed"
+    flag = base / "pause"
+    proc = start(run_dir, KILLED_IN_SAVE, nproc=2, env={"PAUSE_SAVE_FILE": str(flag)})
+    # Once step 6 is saved, make the next save (step 12) hang inside, then kill it there.
+    kill_when(proc, lambda: saved_step(run_dir) == 6 and (flag.touch() or True)
+              and any(n.startswith(".tmp-step_000012") for n in os.listdir(run_dir / "checkpoints")))
+    flag.unlink()
+    killed_at = saved_step(run_dir)
+    return run_dir, killed_at, launch(run_dir, KILLED_IN_SAVE, nproc=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,workers", [("ddp", 0), ("ddp", 2), ("fsdp", 0), ("fsdp", 2)])
-def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(straight_runs, tmp_path, mode,
-                                                                   workers) -> None:
+def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(straight_runs, request,
+                                                                   tmp_path, mode, workers) -> None:
     overrides = [*SLOW, f"parallel.mode={mode}", f"data.num_workers={workers}"]
     straight = straight_runs[mode]
-    run_dir = tmp_path / "runs" / "killed"
-    killed_at, resumed = kill_then_resume(run_dir, overrides, at_step=6)
+    if overrides == KILLED_IN_SAVE:  # [ddp-0]: the run killed inside a save is this case's run
+        run_dir, killed_at, resumed = request.getfixturevalue("killed_during_a_save")
+    else:
+        run_dir = tmp_path / "runs" / "killed"
+        killed_at, resumed = kill_then_resume(run_dir, overrides, at_step=6)
     assert killed_at < STEPS
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_line = [l for l in (run_dir / "log.txt").read_text().splitlines() if "resumed from" in l][0]
@@ -64,19 +90,11 @@ def test_sigkill_mid_epoch_then_same_command_continues_bit_exactly(straight_runs
 
 
 @pytest.mark.slow
-def test_kill_during_a_save_keeps_the_previous_checkpoint(straight_runs, tmp_path) -> None:
-    overrides = [*SLOW, "parallel.mode=ddp"]
+def test_kill_during_a_save_keeps_the_previous_checkpoint(straight_runs,
+                                                          killed_during_a_save) -> None:
     straight = straight_runs["ddp"]
-
-    run_dir = tmp_path / "runs" / "killed"
-    flag = tmp_path / "pause"
-    proc = start(run_dir, overrides, nproc=2, env={"PAUSE_SAVE_FILE": str(flag)})
-    # Once step 6 is saved, make the next save (step 12) hang inside, then kill it there.
-    kill_when(proc, lambda: saved_step(run_dir) == 6 and (flag.touch() or True)
-              and any(n.startswith(".tmp-step_000012") for n in os.listdir(run_dir / "checkpoints")))
-    flag.unlink()
-    assert saved_step(run_dir) == 6
-    resumed = launch(run_dir, overrides, nproc=2)
+    run_dir, killed_at, resumed = killed_during_a_save
+    assert killed_at == 6
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = (run_dir / "log.txt").read_text()
     assert "removing incomplete checkpoint" in log and ".tmp-step_000012" in log
@@ -231,15 +249,16 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, before, afte
     assert steps[-1] == 8 + steps_left
 
 
-def test_export_round_trip(finished, tmp_path) -> None:
-    from conftest import dtrain
+def test_export_round_trip(finished, tmp_path, capsys) -> None:
     from dtrain.models import SimpleCNN
     ckpt = latest(finished)
     for fmt in ("state_dict", "torchscript", "exported"):
         out = tmp_path / f"model.{fmt}"
-        result = dtrain("export", "--checkpoint", str(ckpt), "--out", str(out), "--format", fmt)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "outputs match the checkpoint" in result.stdout
+        # `dtrain export` through the CLI's own entry, in this process (no torch start-up)
+        code = cli.main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--format", fmt])
+        stdout, stderr = capsys.readouterr()
+        assert code == 0, stderr[-3000:]
+        assert "outputs match the checkpoint" in stdout
     weights = torch.load(tmp_path / "model.state_dict", weights_only=True)
     saved = torch.load(ckpt / "checkpoint.pt", weights_only=True)["model"]
     assert weights.keys() == saved.keys()

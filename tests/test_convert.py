@@ -244,13 +244,14 @@ def steps_after(result, step: int) -> dict[int, tuple]:
             if "loss" in r and r["step"] > step}
 
 
-def resume_converted(tmp_path: Path, original, mode: str, to: str) -> tuple[Path, object]:
+def resume_converted(tmp_path: Path, capsys, original, mode: str,
+                     to: str) -> tuple[Path, object]:
     """Convert the original's step-4 checkpoint, then resume it in a new run directory with the
     same config but the converted format."""
     converted = tmp_path / "converted" / f"step4-{to}"
-    made = dtrain("convert", "--checkpoint", str(step_folder(original.run_dir, AT)), "--to", to,
-                  "--out", str(converted))
-    assert made.returncode == 0, made.stderr[-3000:]
+    code, _, err = convert(capsys, "--checkpoint", step_folder(original.run_dir, AT), "--to", to,
+                           "--out", converted)
+    assert code == 0, err[-3000:]
     resumed = launch(tmp_path / "runs" / "resumed",
                      [*RUN, f"parallel.mode={mode}", f"ckpt.format={to}",
                       f"ckpt.resume={converted}"], nproc=2)
@@ -289,17 +290,17 @@ def test_sharded_to_full_is_what_a_full_save_writes(straight, tmp_path, capsys) 
 
 
 @pytest.mark.slow
-def test_fsdp_sharded_converted_to_full_resumes_bitwise(straight, tmp_path) -> None:
+def test_fsdp_sharded_converted_to_full_resumes_bitwise(straight, tmp_path, capsys) -> None:
     original = straight["fsdp_sharded"]
-    _, resumed = resume_converted(tmp_path, original, "fsdp", "full")
+    _, resumed = resume_converted(tmp_path, capsys, original, "fsdp", "full")
     assert (latest(resumed.run_dir) / "checkpoint.pt").is_file()
     assert_continues_like(original, resumed)
 
 
 @pytest.mark.slow
-def test_ddp_full_converted_to_sharded_resumes_bitwise(straight, tmp_path) -> None:
+def test_ddp_full_converted_to_sharded_resumes_bitwise(straight, tmp_path, capsys) -> None:
     original = straight["ddp_full"]
-    converted, resumed = resume_converted(tmp_path, original, "ddp", "sharded")
+    converted, resumed = resume_converted(tmp_path, capsys, original, "ddp", "sharded")
     assert sorted(os.listdir(converted / "dcp")) == [".metadata", "__0_0.distcp"]
     assert (latest(resumed.run_dir) / "dcp").is_dir()
     assert_continues_like(original, resumed)

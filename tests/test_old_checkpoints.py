@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TESTS, dtrain, launch
+from conftest import TESTS, launch
+from dtrain import cli
 
 FIXTURES = Path(TESTS) / "fixtures" / "before_layers"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())["resumed_to_step_6_losses"]
@@ -32,12 +33,13 @@ def _checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
-def _exported(checkpoint: Path, tmp_path: Path) -> dict:
-    """`dtrain export --format safetensors` of `checkpoint`, read back."""
+def _exported(checkpoint: Path, tmp_path: Path, capsys) -> dict:
+    """`dtrain export --format safetensors` of `checkpoint`, read back (through the CLI's own
+    entry, in this process: no torch start-up)."""
     out = tmp_path / "w"
-    result = dtrain("export", "--checkpoint", str(checkpoint), "--out", str(out),
-                    "--format", "safetensors")
-    assert result.returncode == 0, result.stderr[-3000:]
+    code = cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(out),
+                     "--format", "safetensors"])
+    assert code == 0, capsys.readouterr().err[-3000:]
     return safetensors_torch.load_file(str(out / "model.safetensors"))
 
 
@@ -55,20 +57,20 @@ def test_an_old_checkpoint_resumes_to_the_losses_the_old_code_recorded(name, npr
         assert losses[int(step)] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
 
 
-def test_an_old_full_checkpoint_exports_its_weights_unchanged(tmp_path):
+def test_an_old_full_checkpoint_exports_its_weights_unchanged(tmp_path, capsys):
     checkpoint = _checkpoint(FIXTURES / "full")
-    exported = _exported(checkpoint, tmp_path)
+    exported = _exported(checkpoint, tmp_path, capsys)
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["model"]
     assert sorted(exported) == sorted(saved)
     for key, value in saved.items():
         assert torch.equal(exported[key], value), key
 
 
-def test_an_old_sharded_checkpoint_exports_the_weights_its_shards_hold(tmp_path):
+def test_an_old_sharded_checkpoint_exports_the_weights_its_shards_hold(tmp_path, capsys):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     checkpoint = _checkpoint(FIXTURES / "sharded")
-    exported = _exported(checkpoint, tmp_path)
+    exported = _exported(checkpoint, tmp_path, capsys)
     # torch's own conversion of the shards, independent of dtrain's reader
     dcp_to_torch_save(str(checkpoint / "dcp"), str(tmp_path / "whole.pt"))
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]

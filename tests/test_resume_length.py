@@ -13,6 +13,7 @@ length change.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,22 @@ def lrs(result: Result) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def cosine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+def short_cosine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished cosine run of 8 steps, never modified: the tests extend copies of it."""
+    run_dir = tmp_path_factory.mktemp("length") / "runs" / "short"
+    short = launch(run_dir, [*COSINE, "train.max_steps=8"])
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert sorted(lrs(short)) == list(range(1, 9))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cosine_runs(tmp_path_factory: pytest.TempPathFactory, short_cosine: Path) -> dict[str, Result]:
     """A cosine run of 8 steps extended to 16 (respan and keep), and one of 16 from the start."""
     base = tmp_path_factory.mktemp("length") / "runs"
     runs = {}
-    for name in ("respan", "keep"):
-        short = launch(base / name, [*COSINE, "train.max_steps=8"])
-        assert short.returncode == 0, short.stderr[-3000:]
-        assert sorted(lrs(short)) == list(range(1, 9))
+    for name in ("respan", "keep"):  # both extend a copy of the same 8-step run
+        shutil.copytree(short_cosine, base / name)
     runs["respan"] = launch(base / "respan", [*COSINE, "train.max_steps=16"])
     runs["keep"] = launch(base / "keep", [*COSINE, "train.max_steps=16",
                                           "ckpt.on_length_change=keep"])
@@ -103,12 +112,14 @@ def test_more_epochs_continue_exactly_as_a_run_that_long_from_the_start(tmp_path
     assert sorted(extended.losses()) == list(range(1, 17))
 
 
-def test_changed_optimizer_is_still_refused_beside_a_length_change(tmp_path: Path) -> None:
+def test_changed_optimizer_is_still_refused_beside_a_length_change(short_cosine: Path,
+                                                                  tmp_path: Path) -> None:
+    # A copy of the finished 8-step cosine run (the other tests extend it) is asked for 16 steps
+    # with another optimizer.
     run_dir = tmp_path / "runs" / "run"
-    first = launch(run_dir, [*SMALL, "train.max_steps=4"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(short_cosine, run_dir)
     before = (run_dir / "metrics.jsonl").read_text()
-    refused = launch(run_dir, [*SMALL, "train.max_steps=8", "optim.name=adamw"])
+    refused = launch(run_dir, [*COSINE, "train.max_steps=16", "optim.name=adamw"])
     assert refused.returncode == 2, refused.stderr[-3000:]
     line = next(ln for ln in refused.stderr.splitlines() if "trains something else" in ln)
     assert "optim.name: 'sgd' -> 'adamw'" in line and "train.max_steps" not in line, line
