@@ -255,7 +255,8 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
     in front of the store): each save meanwhile fails with one warning, training goes on, the
     previous checkpoint stays the latest; once the store is back the next saves land, the run
     finishes with its last checkpoint complete, and nothing in the store is half a checkpoint
-    that a resume would take."""
+    that a resume would take. Before that, the run's first request is answered "503 Slow Down"
+    (as a busy bucket answers): retried, it costs nothing."""
     import subprocess
     import sys
 
@@ -272,6 +273,7 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
             "run.storage_options={config_kwargs: {connect_timeout: 1, retries: "
             "{max_attempts: 2}}}"]
     log = Path(staging_dir(f"{out}/r", str(stage))) / "log.txt"
+    proxy.slow_down(1)  # the run's first request: "503 Slow Down", retried (max_attempts 2)
     proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, text=True,
                             env=child_env({**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -294,6 +296,7 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
+    assert proxy.slowed_down == 1 and "SlowDown" not in output and "503" not in output
     failed = [line for line in output.splitlines() if "the next save tries again" in line]
     assert failed and all("checkpoint error: cannot write step_" in line for line in failed)
     assert "Traceback" not in output
