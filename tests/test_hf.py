@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_workers_resume_bit_exactly, dtrain, launch
+from conftest import dtrain, kill_then_resume, launch
 
 datasets = pytest.importorskip("datasets")
 
@@ -350,30 +350,54 @@ def pixels_task(cfg):
     return PixelsTask()
 
 
+@pytest.fixture(scope="module")
+def dict_batches_killed_and_resumed(tmp_path_factory):
+    """A user's task on dict batches of a saved dataset (images, labels, names), 2 ranks: one
+    run straight through without loader workers, and one killed after step 10 with 2 workers
+    per rank, then resumed. test_a_users_task_gets_dict_batches_under_two_ranks reads the
+    straight run, test_killed_and_resumed_on_an_hf_dataset_with_workers_is_bit_exact compares
+    the two (one 2-rank launch fewer than a run of its own for each)."""
+    tmp = tmp_path_factory.mktemp("dict_batches")
+    images, labels = shapes(440, "train")
+    root = tmp / "data"
+    with pytest.MonkeyPatch.context() as patch:  # own_cache, for a fixture of the module
+        patch.setenv("HF_DATASETS_CACHE", str(tmp / "hf-cache"))
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp / "hf-cache")
+        datasets.Dataset.from_dict(
+            {"image": images, "label": labels, "name": [str(y) for y in labels]},
+            features=datasets.Features({"image": datasets.Image(), "label": classes(),
+                                        "name": datasets.Value("string")})
+        ).save_to_disk(str(root))
+        common = ["data.name=hf", f"data.root={root}",
+                  "data.hf.columns={pixels: image, y: label, name: name}",
+                  "task.name=test_hf:pixels_task", "model.num_classes=10",
+                  "ckpt.monitor=val_acc", "data.batch_size=8", "model.name=user_code:slow_cnn",
+                  "model.args={width: 8, sleep_s: 0.03}", "train.epochs=2", "ckpt.every_steps=5",
+                  "ckpt.keep_last=10"]
+        straight = launch(tmp / "runs" / "straight", [*common, "data.num_workers=0"], nproc=2)
+        killed_at, resumed = kill_then_resume(tmp / "runs" / "killed",
+                                              [*common, "data.num_workers=2"], at_step=10)
+    return straight, killed_at, resumed
+
+
 @pytest.mark.slow
-def test_a_users_task_gets_dict_batches_under_two_ranks(tmp_path) -> None:
-    images, labels = shapes(400, "train")
-    root = tmp_path / "data"
-    datasets.Dataset.from_dict({"image": images, "label": labels, "name": [str(y) for y in labels]},
-                               features=datasets.Features({"image": datasets.Image(),
-                                                           "label": classes(),
-                                                           "name": datasets.Value("string")})
-                               ).save_to_disk(str(root))
-    result = launch(tmp_path / "runs" / "r", [
-        "data.name=hf", f"data.root={root}", "data.hf.columns={pixels: image, y: label, name: name}",
-        "task.name=test_hf:pixels_task", "model.num_classes=10", "train.epochs=2",
-        "ckpt.monitor=val_acc"], nproc=2)
+def test_a_users_task_gets_dict_batches_under_two_ranks(dict_batches_killed_and_resumed) -> None:
+    result, _, _ = dict_batches_killed_and_resumed
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r for r in result.records() if "val_acc" in r]
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_on_an_hf_dataset_with_workers_is_bit_exact(tmp_path) -> None:
-    root = saved_images(tmp_path / "data", 440)
-    common = ["data.name=hf", f"data.root={root}", "data.batch_size=8", "model.name=user_code:slow_cnn",
-              "model.args={width: 8, sleep_s: 0.03}", "train.epochs=2", "ckpt.every_steps=5",
-              "ckpt.keep_last=10"]
-    assert_workers_resume_bit_exactly(tmp_path / "runs", common)
+def test_killed_and_resumed_on_an_hf_dataset_with_workers_is_bit_exact(
+        dict_batches_killed_and_resumed) -> None:
+    """A 2-rank run killed after step 10 with 2 loader workers per rank, then resumed, has the
+    losses of the same run made straight through without workers: bitwise."""
+    straight, killed_at, resumed = dict_batches_killed_and_resumed
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert killed_at < 50
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert resumed.losses() == straight.losses()
 
 
 RSS_CHILD = """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_workers_resume_bit_exactly, dtrain, launch
+from conftest import Result, dtrain, kill_then_resume, launch
 
 
 def image_folder(root: Path, train: int = 24, val: int = 8, size: int = 32, ext: str = ".jpg",
@@ -192,15 +192,26 @@ def test_a_folder_not_laid_out_as_expected_says_how_to_fix_it(tmp_path, layout, 
     assert result.stderr.strip().splitlines() == [f"dtrain: data error: {message.format(root=root)}"]
 
 
-def test_hidden_files_other_files_and_empty_classes_are_left_out_and_reported(tmp_path) -> None:
-    root = image_folder(tmp_path / "data", train=2, val=1)
+@pytest.fixture(scope="module")
+def junk_folder_run(tmp_path_factory) -> Result:
+    """One single-process run on a folder holding hidden files, other files and empty classes,
+    with data.num_workers=auto: test_hidden_files_other_files_and_empty_classes_are_left_out_and_
+    reported and test_workers_auto_is_said_in_the_banner read its output."""
+    tmp = tmp_path_factory.mktemp("junk")
+    root = image_folder(tmp / "data", train=2, val=1)
     (root / "train" / "circle" / ".DS_Store").write_bytes(b"junk")
     (root / "train" / "circle" / "notes.txt").write_text("not an image")
     (root / "train" / ".thumbnails").mkdir()
     (root / "train" / "zz_empty").mkdir()
     (root / "val" / "zz_empty").mkdir()
-    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={root}",
-                                              "data.batch_size=4", "train.max_steps=2"])
+    return launch(tmp / "runs" / "r", ["data.name=imagefolder", f"data.root={root}",
+                                       "data.batch_size=4", "data.num_workers=auto",
+                                       "train.max_steps=2"])
+
+
+def test_hidden_files_other_files_and_empty_classes_are_left_out_and_reported(
+        junk_folder_run) -> None:
+    result = junk_folder_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert "image folder train/: left out 1 file(s) that are not images (e.g. circle/notes.txt)" in result.stderr
     assert "image folder train/: class folder(s) with no images: zz_empty" in result.stderr
@@ -210,12 +221,37 @@ def test_hidden_files_other_files_and_empty_classes_are_left_out_and_reported(tm
 # ---------------------------------------------------------------------------------------------
 # Unreadable images
 
+def truncate_one(root: Path) -> Path:
+    """Cut the 4th image of root/train/square short (a truncated JPEG): its path."""
+    bad = root / "train" / "square" / sorted(os.listdir(root / "train" / "square"))[3]
+    bad.write_bytes(bad.read_bytes()[:40])
+    return bad
+
+
 @pytest.fixture(scope="module")
 def damaged(tmp_path_factory) -> tuple[Path, Path]:
     root = image_folder(tmp_path_factory.mktemp("damaged") / "data", train=8, val=2)
-    bad = root / "train" / "square" / sorted(os.listdir(root / "train" / "square"))[3]
-    bad.write_bytes(bad.read_bytes()[:40])  # a truncated JPEG
-    return root, bad
+    return root, truncate_one(root)
+
+
+@pytest.fixture(scope="module")
+def skipped_killed_and_resumed(tmp_path_factory):
+    """2 ranks on a JPEG folder with one truncated file and data.on_bad_sample=skip: one run
+    straight through without loader workers, and one killed after step 10 with 2 workers per
+    rank, then resumed. test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact
+    compares the two; test_skipping_unreadable_images_is_deterministic_and_counted reads them as
+    its runs with 0 and 2 workers (two 2-rank launches fewer than runs of its own)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    root = image_folder(tmp / "data", train=40, val=4)
+    bad = truncate_one(root)
+    common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=8",
+              "data.on_bad_sample=skip", "model.name=user_code:slow_cnn",
+              "model.args={width: 8, sleep_s: 0.03}", "train.epochs=2", "ckpt.every_steps=5",
+              "ckpt.keep_last=10"]
+    straight = launch(tmp / "runs" / "straight", [*common, "data.num_workers=0"], nproc=2)
+    killed_at, resumed = kill_then_resume(tmp / "runs" / "killed",
+                                          [*common, "data.num_workers=2"], at_step=10)
+    return bad, straight, killed_at, resumed
 
 
 @pytest.mark.slow
@@ -237,12 +273,8 @@ def test_an_unreadable_image_stops_every_rank_with_one_line(damaged, tmp_path) -
 
 
 @pytest.mark.slow
-def test_skipping_unreadable_images_is_deterministic_and_counted(damaged, tmp_path) -> None:
-    root, bad = damaged
-    common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=4",
-              "data.on_bad_sample=skip", "train.epochs=2", "train.log_every=5"]
-    first = launch(tmp_path / "runs" / "a", [*common, "data.num_workers=2"], nproc=2)
-    second = launch(tmp_path / "runs" / "b", [*common, "data.num_workers=0"], nproc=2)
+def test_skipping_unreadable_images_is_deterministic_and_counted(skipped_killed_and_resumed) -> None:
+    bad, second, _, first = skipped_killed_and_resumed  # with 0 workers; 2 workers, resumed
     for result in (first, second):
         assert result.returncode == 0, result.stderr[-3000:]
         log = (result.run_dir / "log.txt").read_text() + (result.run_dir / "log.rank1.txt").read_text()
@@ -279,18 +311,21 @@ def test_replacements_are_counted_by_any_number_of_loader_workers(damaged) -> No
 # Killed and resumed on a JPEG folder, with loader workers
 
 @pytest.mark.slow
-def test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact(tmp_path) -> None:
-    root = image_folder(tmp_path / "data", train=40, val=4)
-    common = ["data.name=imagefolder", f"data.root={root}", "data.batch_size=8",
-              "model.name=user_code:slow_cnn", "model.args={width: 8, sleep_s: 0.03}",
-              "train.epochs=2", "ckpt.every_steps=5", "ckpt.keep_last=10"]
-    assert_workers_resume_bit_exactly(tmp_path / "runs", common)
+def test_killed_and_resumed_on_a_jpeg_folder_with_workers_is_bit_exact(
+        skipped_killed_and_resumed) -> None:
+    """A 2-rank run killed after step 10 with 2 loader workers per rank, then resumed, has the
+    losses of the same run made straight through without workers: bitwise."""
+    _, straight, killed_at, resumed = skipped_killed_and_resumed
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert killed_at < 50
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert resumed.losses() == straight.losses()
 
 
 @pytest.mark.slow
-def test_workers_auto_is_said_in_the_banner(folder, tmp_path) -> None:
-    result = launch(tmp_path / "runs" / "r", ["data.name=imagefolder", f"data.root={folder}",
-                                              "data.num_workers=auto", "train.max_steps=2"])
+def test_workers_auto_is_said_in_the_banner(junk_folder_run) -> None:
+    result = junk_folder_run
     assert result.returncode == 0, result.stderr[-3000:]
     cpus = len(os.sched_getaffinity(0))
     workers = max(0, min(8, cpus - 1))
