@@ -518,15 +518,9 @@ def slow_requeue(tmp_path: Path) -> dict:
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
 
-@pytest.mark.slurm
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_sbatch_two_nodes_preempted_requeues_and_resumes_exactly(submit, reference, slow_requeue,
-                                                                  script: str, tmp_path: Path) -> None:
-    out_dir = tmp_path / "runs"
-    # run.name unset: the run directory is job_<id>, the same after the requeue
-    job = submit(script, [*JOB, PACED, "run.name=null", f"run.out_dir={out_dir}"], slow_requeue)
-    run_dir = out_dir / f"job_{job.id}"
-    job.wait_for_step(run_dir, 5)
+def checkpointed_requeued_and_resumed(job: Job, run_dir: str) -> tuple[dict[str, str], str]:
+    """SIGUSR1 to the job's batch shell: it checkpoints, requeues itself once, resumes from the
+    checkpoint of its stop in `run_dir` and completes. The job's fields and output."""
     job.cancel(signal="USR1")
     fields = job.wait_end()
     output = job.output()
@@ -539,6 +533,19 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_exactly(submit, referen
     assert f"job {job.id} got SIGUSR1: asking every rank to checkpoint and stop" in output
     assert f"requeueing SLURM job {job.id}" in output
     assert f"resumed from {run_dir}/checkpoints/step_{step:06d}-" in output, output[-4000:]
+    return fields, output
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sbatch_two_nodes_preempted_requeues_and_resumes_exactly(submit, reference, slow_requeue,
+                                                                  script: str, tmp_path: Path) -> None:
+    out_dir = tmp_path / "runs"
+    # run.name unset: the run directory is job_<id>, the same after the requeue
+    job = submit(script, [*JOB, PACED, "run.name=null", f"run.out_dir={out_dir}"], slow_requeue)
+    run_dir = out_dir / f"job_{job.id}"
+    job.wait_for_step(run_dir, 5)
+    fields, output = checkpointed_requeued_and_resumed(job, str(run_dir))
     assert_ran_across_both_nodes(job, fields, script, restart=0)
     assert_ran_across_both_nodes(job, fields, script, restart=1)
     # every step once, in order, across both attempts; the numbers are the reference's
@@ -571,18 +578,7 @@ def test_sbatch_two_nodes_on_local_disks_preempted_requeues_through_an_object_st
         assert job.fields().get("JobState") not in FINAL_STATES, job.output()[-4000:]
         assert time.monotonic() < deadline, f"no step 5 after 180 s:\n{job.output()[-4000:]}"
         time.sleep(0.2)
-    job.cancel(signal="USR1")
-    fields = job.wait_end()
-    output = job.output()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        output[-6000:]
-    stopped = re.search(r"stop requested \(SIGUSR1\) at step (\d+)", output)
-    assert stopped, output[-4000:]
-    step = int(stopped.group(1))
-    assert 5 <= step < STEPS
-    assert f"requeueing SLURM job {job.id}" in output
-    run_url = f"{out}/job_{job.id}"
-    assert f"resumed from {run_url}/checkpoints/step_{step:06d}-" in output, output[-4000:]
+    fields, output = checkpointed_requeued_and_resumed(job, f"{out}/job_{job.id}")
     assert_ran_across_both_nodes(job, fields, "slurm/train_torchrun.sbatch", restart=0)
     assert_ran_across_both_nodes(job, fields, "slurm/train_torchrun.sbatch", restart=1)
     # The run, read back from the store: every step once, the reference's numbers.
