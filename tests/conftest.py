@@ -16,6 +16,8 @@ from typing import Optional
 
 import pytest
 
+import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 TESTS = str(REPO / "tests")
@@ -50,6 +52,9 @@ def child_env(extra: Optional[dict] = None) -> dict:
         env.pop(name, None)
     env.update(extra or {})
     return env
+
+
+forkserver.configure(child_env(), REPO)  # launches fork from a warm interpreter (forkserver.py)
 
 
 def without_module(folder: Path, module: str) -> dict:
@@ -114,15 +119,14 @@ def launch(run_dir: Path, overrides: list[str], nproc: int = 0, config: Optional
         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
     prefix = torchrun_cmd(nproc, extra=torchrun_args) if nproc else [sys.executable]
     note_launch(nproc, args)
-    proc = subprocess.run([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env), text=True,
-                          capture_output=True, timeout=timeout)
+    proc = forkserver.run([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env), timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
 def dtrain(*args: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     note_launch(0, ["dtrain", *args])
-    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=REPO, env=child_env(env),
-                          text=True, capture_output=True, timeout=timeout)
+    return forkserver.run([sys.executable, "-m", "dtrain", *args], cwd=REPO, env=child_env(env),
+                          timeout=timeout)
 
 
 def descendants(pid: int) -> list[int]:
@@ -181,12 +185,12 @@ def final_weights(run_dir: Path) -> dict:
     return model.state_dict()
 
 
-def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
+def start(run_dir: Path, overrides: list[str], nproc: int, env: dict | None = None):
     """launch/train.py on the tiny job in the background, output discarded, in a session of its own."""
     args = [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides]
     prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
     note_launch(nproc, args)
-    return subprocess.Popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
+    return forkserver.popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -329,7 +333,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
 def _cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
         resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return (own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+            + forkserver.cpu_seconds())
 
 
 @pytest.hookimpl(tryfirst=True)

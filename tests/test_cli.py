@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, fill_disk, latest
 
 COMMANDS = ["train", "plan", "doctor", "export", "verify", "runs", "tokenize", "sweep", "convert", "eval"]
@@ -88,8 +89,7 @@ def trained(tmp_path_factory) -> Path:
     args = ["run.name=mixed", f"run.out_dir={out_dir}", "--config", "configs/default.yaml",
             *TINY, "optim.lr=0.02", "sched.warmup_steps=0", "train.max_steps=4",
             "ckpt.every_steps=2"]
-    result = subprocess.run([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(), text=True,
-                            capture_output=True, timeout=300)
+    result = forkserver.run([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out_dir / "mixed"
 

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import forkserver
 from conftest import REPO, child_env, kill_tree, latest, launch, saved_step, start, torchrun_cmd
 
 from dtrain import cli
@@ -71,8 +73,7 @@ def evaluate(run_dir: Path, *args: str, nproc: int = 0) -> tuple[subprocess.Comp
         command = [*torchrun_cmd(nproc), "-m", "dtrain", "eval", "--run-dir", str(run_dir), *args]
     else:
         command = [sys.executable, "-m", "dtrain", "eval", "--run", str(run_dir), *args]
-    proc = subprocess.run(command, cwd=REPO, env=child_env(), text=True, capture_output=True,
-                          timeout=300)
+    proc = forkserver.run(command, cwd=REPO, env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     new = evals_of(run_dir) - before
     assert len(new) == 1, new
@@ -377,8 +378,8 @@ def test_on_a_read_only_run_directory_the_metrics_are_shown_and_the_failure_is_o
     run_dir = disk / "run"
     shutil.copytree(single.run_dir, run_dir)
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    proc = subprocess.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run_dir)],
-                          cwd=REPO, env=child_env(), text=True, capture_output=True, timeout=300)
+    proc = forkserver.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run_dir)],
+                          cwd=REPO, env=child_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     expected = final_evaluation(single)
     [line] = proc.stdout.strip().splitlines()

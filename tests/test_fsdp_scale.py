@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from conftest import REPO, child_env, latest, launch, torchrun_cmd
 from dtrain.process import host_memory
 
@@ -21,8 +22,8 @@ from dtrain.process import host_memory
 def test_shard_by_shard_construction_gives_the_whole_models_weights() -> None:
     """Built-in models, a torchvision model and a user's model with init_weights(): the weights
     FSDP materialises equal, bit for bit, those of the same model built whole from the seed."""
-    proc = subprocess.run([*torchrun_cmd(2), str(REPO / "tests" / "init_check.py")], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = forkserver.run([*torchrun_cmd(2), str(REPO / "tests" / "init_check.py")], cwd=REPO,
+                          env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["model"]: r for r in map(json.loads, (l for l in proc.stdout.splitlines()
                                                          if l.startswith("{")))}

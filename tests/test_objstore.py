@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import forkserver
 from conftest import REPO, TINY, dtrain, launch, without_module
 
 pytestmark = pytest.mark.slow
@@ -274,7 +276,7 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
             "{max_attempts: 2}}}"]
     log = Path(staging_dir(f"{out}/r", str(stage))) / "log.txt"
     proxy.slow_down(1)  # the run's first request: "503 Slow Down", retried (max_attempts 2)
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, text=True,
+    proc = forkserver.popen([sys.executable, TRAIN, *args], cwd=REPO, text=True,
                             env=child_env({**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -363,7 +365,7 @@ def test_killed_ten_times_while_uploading_never_resumes_a_partial_checkpoint(
     env = child_env(s3.env)
     for kill in range(10):
         before = _latest_step(fs, bucket) if fs.exists(f"{bucket}/exp/r/checkpoints/latest") else 0
-        proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=env,
+        proc = forkserver.popen([sys.executable, TRAIN, *args], cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         deadline = time.monotonic() + 120

@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.compat.proto.event_pb2 import SessionLog
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+import forkserver
 from conftest import REPO, TINY, TRAIN, Result, child_env, kill_tree, launch, wait_for_step
 
 TRAIN_TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/samples_per_s",
@@ -208,7 +209,7 @@ def test_terminal_shows_a_progress_bar(tmp_path: Path) -> None:
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     args = [*TINY, "train.log_every=8", f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
+    proc = forkserver.popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
                             stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
     os.close(secondary)
     chunks: list[bytes] = []
@@ -249,7 +250,7 @@ def test_kill_and_resume_continues_curves_without_duplicates(tmp_path: Path) -> 
     args = [*TINY, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]
     # One process: the curves are rank 0's alone, so a single-process run shows the same
     # kill-and-resume as a 2-rank one, for half the start-up.
-    first = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
+    first = forkserver.popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_step(run_dir / "metrics.jsonl", 10, first, timeout=240)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from conftest import REPO, child_env, launch, torchrun_cmd
 
 STEPS = 12
@@ -18,8 +19,8 @@ PLAIN = str(REPO / "bench" / "plain_loop.py")
 
 def plain_loop(out: Path, nproc: int = 0) -> tuple[list[float], dict]:
     prefix = torchrun_cmd(nproc) if nproc else [sys.executable]
-    proc = subprocess.run([*prefix, PLAIN, f"--steps={STEPS}", f"--out={out}"], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = forkserver.run([*prefix, PLAIN, f"--steps={STEPS}", f"--out={out}"], cwd=REPO,
+                          env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     return result["losses"], torch.load(out / "weights.pt", weights_only=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from conftest import REPO, TINY, TRAIN, child_env, dtrain, launch, wait_for_step
 
 from dtrain import cli, config
@@ -46,7 +47,7 @@ def test_finished_failed_and_preempted_runs_are_recorded(tmp_path: Path) -> None
     stopped_dir = out / "stopped"
     args = [*TINY, "model.name=observe_models:slow_cnn", "model.num_classes=10",
             "model.args={width: 8, delay_s: 0.1}", f"run.out_dir={out}", "run.name=stopped"]
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
+    proc = forkserver.popen([sys.executable, TRAIN, *args], cwd=REPO, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(stopped_dir / "metrics.jsonl", 3, proc, timeout=120)

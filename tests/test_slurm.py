@@ -18,6 +18,7 @@ from typing import Optional
 import pytest
 import torch
 
+import forkserver
 from conftest import REPO, TINY, TRAIN, Result, child_env, launch, torchrun_cmd
 from dtrain.process import slurm
 from dtrain.process.env import port_for_job
@@ -127,7 +128,7 @@ def test_two_torchrun_agents_with_nnodes_2_match_one_torchrun(reference: Result,
     args = [f"--config={CONFIG}", *TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
             *JOB, FAST]
     agent = [*torchrun_cmd(1, nnodes=2), "--rdzv-id=two-nodes", TRAIN, *args]
-    procs = [subprocess.Popen(agent, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    procs = [forkserver.popen(agent, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)

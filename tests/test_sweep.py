@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+import forkserver
 from conftest import REPO, TINY, Result, child_env, dtrain, launch, wait_for_step
 from slurm_jobs import Job, slurm_env, train_steps
 from test_slurm import PACED, needs_cluster
@@ -356,7 +358,7 @@ def test_ctrl_c_checkpoints_the_running_trial_and_starts_no_other(tmp_path: Path
              "optim.lr=[0.05,0.1]", "data.batch_size=16"]
     args = [sys.executable, "-m", "dtrain", "sweep", "--config", CONFIG, f"run.out_dir={out_dir}",
             *FIXED, *words]
-    proc = subprocess.Popen(args, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    proc = forkserver.popen(args, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     wait_for_step(folder / "lr=0.05" / "metrics.jsonl", 3, proc, timeout=180)
     proc.send_signal(signal.SIGINT)
