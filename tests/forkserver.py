@@ -93,10 +93,14 @@ _base: Optional[tuple[dict, str]] = None
 _cpu_used = 0.0
 
 
+_started_with: dict[str, str] = {}
+
+
 def configure(env: dict, cwd) -> None:
     """The environment and folder the server starts in: the tests' usual ones for a launch."""
-    global _base
+    global _base, _started_with
     _base = (dict(env), str(cwd))
+    _started_with = dict(os.environ)
 
 
 def cpu_seconds() -> float:
@@ -124,10 +128,30 @@ def _program(cmd: list[str]) -> Optional[dict]:
     return None
 
 
-def _compatible(env: dict) -> bool:
+def _incompatible(env: dict) -> Optional[str]:
+    """The first variable read at start that this launch sets otherwise than the server, if
+    any. Not those this process's own libraries set since it started (torch's inductor sets
+    TORCHINDUCTOR_CACHE_DIR to its default when imported): a fresh child inherits them too, with
+    the values the server's libraries use anyway."""
     assert _server is not None
-    keys = {k for k in (*env, *_server.env) if k.startswith(READ_AT_START)}
-    return all(env.get(k) == _server.env.get(k) for k in keys)
+    for key in sorted({k for k in (*env, *_server.env) if k.startswith(READ_AT_START)}):
+        ours = env.get(key)
+        if ours == _server.env.get(key):
+            continue
+        if ours == os.environ.get(key) and ours != _started_with.get(key):
+            continue  # set by a library in this process, not by the test
+        return key
+    return None
+
+
+def _note(cmd: list[str], why: str) -> None:
+    """With DTRAIN_TEST_FORKS=FILE, each launch that gets a fresh interpreter is a line of FILE
+    with the reason (to find launches that could fork and do not)."""
+    path = os.environ.get("DTRAIN_TEST_FORKS")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            out.write(json.dumps({"test": test, "why": why, "cmd": cmd[:3]}) + "\n")
 
 
 def _fd(target, name: str) -> tuple[int, bool]:
@@ -250,10 +274,18 @@ def popen(cmd: list[str], *, cwd, env: dict, stdin=None, stdout=None, stderr=Non
           text: bool = False, start_new_session: bool = False):
     """subprocess.Popen(cmd, ...), forked from the server where it can be (module docstring)."""
     program = _program(cmd)
-    if os.environ.get("DTRAIN_TEST_FRESH") != "1" and program is not None and _start_server():
-        if _compatible(env):
+    if os.environ.get("DTRAIN_TEST_FRESH") == "1":
+        why: Optional[str] = "DTRAIN_TEST_FRESH=1"
+    elif program is None:
+        why = "not a script or a module"
+    elif not _start_server():
+        why = "no server configured"
+    else:
+        why = _incompatible(env)
+        if why is None:
             request = {**program, "cwd": str(cwd), "env": env, "session": start_new_session}
             return Forked(cmd, request, stdin, stdout, stderr, text)
+    _note(cmd, why or "")
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
                             text=text, start_new_session=start_new_session)
 

@@ -89,6 +89,21 @@ def test_a_forked_launch_is_a_process_that_signals_reach(program: Path, tmp_path
     proc.stdout.close()
 
 
+def test_what_this_process_s_libraries_set_does_not_stop_a_fork(program: Path,
+                                                                tmp_path: Path) -> None:
+    """Importing inductor here sets TORCHINDUCTOR_CACHE_DIR in this process's environment; the
+    launches after it still fork (and see it)."""
+    import os
+
+    import torch._inductor.config  # noqa: F401 - imported for what it does to os.environ
+
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    proc = forkserver.popen([sys.executable, str(program), "plain"], cwd=tmp_path,
+                            env=child_env(), stdout=subprocess.DEVNULL)
+    assert isinstance(proc, forkserver.Forked)
+    assert proc.wait(timeout=60) == 0
+
+
 def test_settings_read_at_start_get_a_fresh_interpreter(program: Path, tmp_path: Path) -> None:
     proc = forkserver.popen([sys.executable, str(program), "plain"], cwd=tmp_path,
                             env=child_env({"OMP_NUM_THREADS": "2"}), stdout=subprocess.DEVNULL)

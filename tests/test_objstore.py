@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,16 +105,13 @@ def test_run_in_the_store_resumes_and_rewinds_exactly(s3, tmp_path: Path) -> Non
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "2 checkpoints: 2 intact" in verified.stdout
 
-    # Starting weights from the store; the commands that read a disk only say so.
+    # Starting weights from the store.
     started = launch(tmp_path / "local" / "from_store",
                      ["train.max_steps=1", f"model.init_from={run}/checkpoints/{latest}"],
                      env=s3.env)
     assert started.returncode == 0, started.stderr[-3000:]
     assert f"initial weights from {run}/checkpoints/{latest}: " in started.stderr
-    refused_eval = dtrain("eval", "--run-dir", run, env=s3.env)
-    assert refused_eval.returncode == 2
-    assert f"eval error: {run}: dtrain eval reads runs and checkpoints on a disk" in (
-        refused_eval.stderr)
+    commands = _eval_export_convert_from_the_store(s3, run, local.run_dir, latest, tmp_path)
 
     # No credential in anything the runs wrote or said.
     for path in fs.find(bucket):
@@ -121,8 +119,61 @@ def test_run_in_the_store_resumes_and_rewinds_exactly(s3, tmp_path: Path) -> Non
     for file in stage.rglob("*"):
         if file.is_file():
             assert s3.secret.encode() not in file.read_bytes(), file
-    for said in (refused, first, again, listed, verified, started):
+    for said in (refused, first, again, listed, verified, started, *commands):
         assert s3.secret not in said.stdout + said.stderr
+
+
+def _eval_export_convert_from_the_store(s3, run: str, local_run: Path, latest: str,
+                                        tmp_path: Path) -> list:
+    """eval, export and convert of the run in the store give what they give for the same run on
+    a disk; their outputs go to the store, never over what is there."""
+    fs, bucket = s3.fs(), run.removeprefix("s3://").split("/", 1)[0]
+    evaluated = dtrain("eval", "--run-dir", run, env=s3.env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    on_disk = dtrain("eval", "--run-dir", str(local_run))
+    assert on_disk.returncode == 0, on_disk.stderr[-3000:]
+    metrics, where = evaluated.stdout.strip().split(" -> ")
+    assert metrics == on_disk.stdout.strip().split(" -> ")[0]  # the same weights, bit for bit
+    assert where.startswith(f"{run}/evals/{latest}-") and where.endswith(".json")
+    result = json.loads(fs.cat(where.removeprefix("s3://")))
+    assert result["checkpoint"] == f"{run}/checkpoints/{latest}" and result["step"] == 6
+    best = dtrain("eval", "--run-dir", run, "--checkpoint", f"{run}/checkpoints/step_000003-epoch_00",
+                  env=s3.env)
+    assert best.returncode == 0 and best.stdout.startswith("step_000003-epoch_00: "), best.stderr
+
+    exported = dtrain("export", "--run-dir", run, "--out", f"s3://{bucket}/exports/model.pt",
+                      env=s3.env)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"s3://{bucket}/exports/model.pt" in exported.stdout
+    assert f"{tmp_path}" not in exported.stdout and "dtrain-export-" not in exported.stdout
+    fs.get(f"{bucket}/exports/model.pt", str(tmp_path / "exported.pt"))
+    weights = torch.load(tmp_path / "exported.pt", weights_only=True)
+    reference = torch.load(local_run / "checkpoints" / latest / "checkpoint.pt",
+                           weights_only=True)["model"]
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+    converted_url = f"s3://{bucket}/converted/{latest}"
+    converted = dtrain("convert", "--checkpoint", f"{run}/checkpoints/{latest}", "--to", "sharded",
+                       "--out", converted_url, env=s3.env)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert "(sharded); read back and equal to the source (" in converted.stdout
+    assert f"-> {converted_url} (sharded)" in converted.stdout
+    marker = json.loads(fs.cat(f"{bucket}/converted/{latest}/COMPLETE"))
+    assert marker["format"] == "sharded" and marker["converted_from"] == f"{run}/checkpoints/{latest}"
+    verified = dtrain("verify", converted_url, env=s3.env)
+    assert verified.returncode == 0 and "intact" in verified.stdout, verified.stdout
+    again = dtrain("convert", "--checkpoint", f"{run}/checkpoints/{latest}", "--to", "sharded",
+                   "--out", converted_url, env=s3.env)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"dtrain: convert error: --out {converted_url} already exists in the store; convert "
+        f"never overwrites: name a new one")
+    missing = dtrain("export", "--checkpoint", f"{run}/checkpoints/step_000009-epoch_00", "--out",
+                     str(tmp_path / "m.pt"), env=s3.env)
+    assert missing.returncode == 2
+    assert f"--checkpoint {run}/checkpoints/step_000009-epoch_00 not found" in missing.stderr
+    return [evaluated, best, exported, converted, verified, again, missing]
 
 
 def test_sharded_checkpoints_from_each_rank_and_another_world_size(s3, tmp_path: Path) -> None:
@@ -153,6 +204,15 @@ def test_sharded_checkpoints_from_each_rank_and_another_world_size(s3, tmp_path:
     assert f"resumed from {out}/r/checkpoints/step_000004-epoch_00 (step 4" in resumed.stderr
     assert "world size changed from 2 to 1" in resumed.stderr
     assert sorted(_losses(_metrics(fs, f"{out}/r"))) == [1, 2, 3, 4, 5, 6]
+
+    # The 2 ranks' sharded checkpoint, fetched and evaluated in one process: as on the disk.
+    shards = f"{out}/r/checkpoints/step_000004-epoch_00"
+    evaluated = dtrain("eval", "--run-dir", f"{out}/r", "--checkpoint", shards, env=s3.env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    on_disk = dtrain("eval", "--run-dir", str(local.run_dir))
+    assert on_disk.returncode == 0, on_disk.stderr[-3000:]
+    assert evaluated.stdout.split(" -> ")[0] == on_disk.stdout.split(" -> ")[0]
+    assert f"evaluating {shards} (step 4, sharded, saved at world size 2" in evaluated.stderr
 
 
 @pytest.mark.parametrize("case", ["mistyped", "scheme", "secret", "no bucket", "unreachable",
@@ -344,6 +404,72 @@ def test_token_files_from_the_store_train_as_the_local_copy(s3, tmp_path: Path) 
     assert ranged.returncode == 0, ranged.stderr[-3000:]
     assert len(local.losses()) == 5
     assert copied.losses() == local.losses() == ranged.losses()
+
+    # A shard rewritten in the store with other tokens of the same size: the node's copy is of
+    # another version (ETag), fetched again, and the run trains on the new tokens.
+    from dtrain.data import node_copy
+    new = np.frombuffer(train[:5000], dtype=np.uint16)[::-1].tobytes()  # the same ids, reordered
+    (folder / "train_000.bin").write_bytes(new)
+    fs.put(str(folder / "train_000.bin"), f"{bucket}/tokens/train_000.bin")
+    again = launch(tmp_path / "runs" / "again", [*job, f"data.root={url}"], env=s3.env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (Path(node_copy.folder_for(url)) / "train_000.bin").read_bytes() == new
+    rewritten = launch(tmp_path / "runs" / "rewritten", [*job, f"data.root={folder}"])
+    assert rewritten.returncode == 0, rewritten.stderr[-3000:]
+    assert again.losses() == rewritten.losses() != local.losses()
+
+    # With the digests dtrain tokenize writes in meta.json, a shard damaged in the store (one
+    # byte, the size unchanged) is refused as the node fetches it, never trained on.
+    from dtrain.files.digests import file_digest
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.update(digest="xxh3_128", digests={
+        f.name: file_digest(str(f)) for f in folder.iterdir() if f.suffix == ".bin"})
+    fs.pipe(f"{bucket}/tokens/meta.json", json.dumps(meta).encode())
+    fs.pipe(f"{bucket}/tokens/train_001.bin", bytes([train[5000] ^ 0xFF]) + train[5001:])
+    damaged = launch(tmp_path / "runs" / "damaged", [*job, f"data.root={url}"], env=s3.env)
+    assert damaged.returncode == 2, damaged.stderr[-3000:]
+    assert damaged.stderr.strip().splitlines()[-1].endswith(
+        f"data error: {url}/train_001.bin is not the file its meta.json describes (its content "
+        f"digest differs: damaged, or replaced without a new meta.json); upload the folder "
+        f"dtrain tokenize wrote again")
+
+
+def test_a_saved_hugging_face_dataset_in_the_store_trains_as_on_a_disk(s3, tmp_path: Path) -> None:
+    """A Dataset that save_to_disk wrote, uploaded: 2 ranks read one node copy of it and train
+    as from the local folder; parquet files and an image folder in a store are one line each."""
+    pytest.importorskip("datasets")
+    from test_hf import LEARN, STRIPES, parquet_bytes, saved_images
+
+    fs, bucket = s3.fs(), s3.bucket()
+    saved = saved_images(tmp_path / "saved", 200, STRIPES)
+    fs.put(str(saved), f"{bucket}/saved", recursive=True)
+    job = ["data.name=hf", "data.hf.columns={input: image, target: label}", *LEARN,
+           "train.max_steps=6"]
+    local = launch(tmp_path / "runs" / "local", [*job, f"data.root={saved}"], nproc=2)
+    assert local.returncode == 0, local.stderr[-3000:]
+    url = f"s3://{bucket}/saved"
+    remote = launch(tmp_path / "runs" / "remote", [*job, f"data.root={url}"], nproc=2, env=s3.env)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert len(local.losses()) == 6 and remote.losses() == local.losses()
+    assert f"hf {url}: " in remote.stderr and "dtrain-data-" not in remote.stderr
+
+    parquet = parquet_bytes(tmp_path / "parquet", 20, 4, STRIPES)
+    fs.put(str(parquet), f"{bucket}/parquet", recursive=True)
+    refused = launch(tmp_path / "runs" / "parquet", [*job, f"data.root=s3://{bucket}/parquet",
+                                                     "data.hf.columns={input: png, target: y}"],
+                     env=s3.env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        f"data.root 's3://{bucket}/parquet': no state.json or dataset_dict.json at its top. Of "
+        f"an object store, data.name hf reads a folder that datasets' save_to_disk wrote "
+        f"(dataset.save_to_disk('s3://{bucket}/parquet')); for parquet or JSON-lines files, "
+        f"copy them to a node-local folder and set data.root")
+    images = launch(tmp_path / "runs" / "images", ["data.name=imagefolder",
+                                                   f"data.root=s3://{bucket}/images"], env=s3.env)
+    assert images.returncode == 2
+    assert ("of an object store, dtrain reads token files (data.name: tokens) and datasets "
+            "saved by save_to_disk (data.name: hf); data.name imagefolder reads a disk") in (
+        images.stderr)
 
 
 def test_killed_ten_times_while_uploading_never_resumes_a_partial_checkpoint(

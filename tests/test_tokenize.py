@@ -59,6 +59,10 @@ def check(out: Path, docs: list[str], texts: list[str] | None = None) -> dict:
     assert meta["eot_id"] == tokenizer.token_to_id(meta["eot"])
     assert meta["tokenizer"] == "tokenizer.json"
     assert meta["tokens"] == {"train": len(train), "val": len(val)}
+    # Every file's content digest, for a node's copy of the folder in an object store.
+    from dtrain.files.digests import file_digest
+    assert meta["digest"] == "xxh3_128" and {"train.bin", "val.bin"} <= set(meta["digests"])
+    assert meta["digests"] == {name: file_digest(str(out / name)) for name in meta["digests"]}
     assert (out / "train.bin").stat().st_size == len(train) * itemsize
     assert (out / "val.bin").stat().st_size == len(val) * itemsize
     assert len(train) > 0 and len(val) > 0

@@ -88,24 +88,8 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.main()
 
 
-def _on_a_disk(command: str, *paths: str | None) -> None:
-    """Commands that read runs on a disk only (for now): a URL is one line saying what to do."""
-    from dtrain.core.errors import UserError
-    from dtrain.core.urls import is_url
-
-    for path in paths:
-        if is_url(path):
-            raise UserError(
-                f"{command} error: {path}: dtrain {command} reads runs and checkpoints on a disk "
-                f"for now (train, runs and verify read object stores); copy it first "
-                f"(aws s3 sync {path} DIR) and name DIR"
-            )
-
-
 def _eval(args: argparse.Namespace) -> int:
     from dtrain.commands import evaluate as evaluate_cmd
-
-    _on_a_disk("eval", args.run, args.checkpoint, *args.overrides[:1])
 
     return evaluate_cmd.main(args)
 
@@ -113,16 +97,13 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
-    _on_a_disk("export", args.run, args.checkpoint, args.out)
-    path = args.checkpoint if args.checkpoint is not None else export.newest_checkpoint(args.run)
-    export.export(path, args.out, args.format, args.weights, args.overrides)
+    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, args.overrides)
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
     from dtrain.commands import convert
 
-    _on_a_disk("convert", args.checkpoint, args.out)
     return convert.main(args)
 
 

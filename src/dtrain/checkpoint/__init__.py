@@ -198,7 +198,7 @@ class Checkpointer:
         if self.format == "full":
             payload = ckpt_state.cpu_copy(payload)  # rank 0's consolidated copy; empty elsewhere
         else:
-            pending = self._start_sharded_async(tmp, payload)
+            pending = self._start_sharded_async(name, tmp, payload)
         meta = ckpt_state.cpu_copy(meta)
         self._thread = threading.Thread(
             target=self._write_guarded,
@@ -208,12 +208,12 @@ class Checkpointer:
         )
         self._thread.start()
 
-    def _start_sharded_async(self, tmp: str, payload: dict) -> Any:
+    def _start_sharded_async(self, name: str, tmp: str, payload: dict) -> Any:
         """DCP's asynchronous save: the shards are copied to CPU memory now (pinned on CUDA),
         and written by DCP's own thread; returns its future and the (hashing) writer."""
         import torch.distributed.checkpoint as dcp
 
-        writer = digest.hashing_writer(os.path.join(tmp, DCP_DIR))
+        writer = digest.hashing_writer(os.path.join(tmp, DCP_DIR), self._streams(name))
         future = dcp.async_save(
             payload,
             storage_writer=writer,
@@ -242,7 +242,7 @@ class Checkpointer:
                     future, writer = pending
                     future.result()
                 else:
-                    writer = ckpt_state.write_sharded(tmp, payload, group)
+                    writer = ckpt_state.write_sharded(tmp, payload, group, self._streams(name))
                 own_files = digest.own_files(os.path.join(tmp, DCP_DIR), dist.rank(), writer)
                 self.store.upload(name, tmp, list(own_files[0]))  # the store is not this disk
         except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
@@ -267,6 +267,11 @@ class Checkpointer:
                 f"rank; the previous checkpoint is kept"
             )
 
+    def _streams(self, name: str) -> Any:
+        """DCP's files of the save `name` as they are written: each uploaded meanwhile where the
+        store is not this disk (`Store.streaming`)."""
+        return lambda rel: self.store.streaming(name, f"{DCP_DIR}/{rel}")
+
     def _publish(
         self,
         name: str,
@@ -280,7 +285,11 @@ class Checkpointer:
         every rank's files with their sizes and digests, `latest`, and rotation."""
         own = FULL_FILE if self.format == "full" else META_FILE
         data = {**meta, **payload} if self.format == "full" else meta
-        digests = {own: ckpt_state.torch_save(data, os.path.join(tmp, own))}
+        digests = {
+            own: ckpt_state.torch_save(
+                data, os.path.join(tmp, own), self.store.streaming(name, own)
+            )
+        }
         files = file_sizes(tmp)
         # Other ranks' shards, also where rank 0 cannot see them.
         for sizes, shard_digests in reports:

@@ -110,9 +110,11 @@ def checked(
 # DCP
 
 
-def hashing_writer(path: str) -> Any:
+def hashing_writer(path: str, streams: Any = None) -> Any:
     """DCP's file-system writer of `path`, recording the digest of each file it writes (its
-    `fs.digests`: names relative to `path`)."""
+    `fs.digests`: names relative to `path`). `streams(name)`: an upload of the file `name`
+    (relative to `path`) as it is written, or None; a `.tmp` file (DCP's `.metadata`, renamed
+    once written) is never streamed."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -128,10 +130,19 @@ def hashing_writer(path: str) -> Any:
                 if "w" not in mode:
                     yield stream
                     return
-                hashing = HashingFile(stream)
-                yield hashing
+                name = _relative(path)
+                upload = streams(name) if streams and not name.endswith(".tmp") else None
+                hashing = HashingFile(stream, upload)
+                try:
+                    yield hashing
+                    if upload is not None:  # every byte went through `hashing` (DCP closed it)
+                        upload.finish()
+                except BaseException:
+                    if upload is not None:
+                        upload.abort()
+                    raise
             with self._lock:
-                self.digests[_relative(path)] = hashing.hexdigest()
+                self.digests[name] = hashing.hexdigest()
 
         def rename(self, path: Any, new_path: Any) -> None:
             super().rename(path, new_path)  # DCP writes `.metadata` as `.metadata.tmp` first

@@ -178,25 +178,36 @@ def dcp_model_shapes(folder: str, prefix: str = "model.") -> dict[str, tuple[int
     return shapes
 
 
-def write_sharded(folder: str, state: dict[str, Any], process_group: Any = None) -> Any:
+def write_sharded(
+    folder: str, state: dict[str, Any], process_group: Any = None, streams: Any = None
+) -> Any:
     """DCP's save into `folder`/dcp; returns the writer, whose `fs.digests` has the digest of
-    every file this rank wrote."""
+    every file this rank wrote. `streams`: digest.hashing_writer's."""
     import torch.distributed.checkpoint as dcp
 
-    writer = digest.hashing_writer(os.path.join(folder, DCP_DIR))
+    writer = digest.hashing_writer(os.path.join(folder, DCP_DIR), streams)
     dcp.save(
         state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_distributed()
     )
     return writer
 
 
-def torch_save(obj: Any, path: str) -> str:
-    """torch.save, fsynced; returns the file's digest, computed as the bytes are written."""
-    with open(path, "wb") as f:
-        hashing = HashingFile(f)
-        torch.save(obj, hashing)  # type: ignore[arg-type]  # a file-like object with write()
-        f.flush()
-        os.fsync(f.fileno())
+def torch_save(obj: Any, path: str, upload: Any = None) -> str:
+    """torch.save, fsynced; returns the file's digest, computed as the bytes are written. With
+    `upload` (an object store's StreamingUpload), the bytes also go up as they are written: the
+    object exists when this returns, or, on any failure, not at all."""
+    try:
+        with open(path, "wb") as f:
+            hashing = HashingFile(f, upload)
+            torch.save(obj, hashing)  # type: ignore[arg-type]  # a file-like object with write()
+            f.flush()
+            os.fsync(f.fileno())
+        if upload is not None:
+            upload.finish()
+    except BaseException:
+        if upload is not None:
+            upload.abort()
+        raise
     return hashing.hexdigest()
 
 

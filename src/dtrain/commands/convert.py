@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from typing import Any
 
@@ -31,7 +32,8 @@ from dtrain.checkpoint import state as ckpt_state
 from dtrain.checkpoint.load import open_checkpoint
 from dtrain.checkpoint.state import DCP_DIR, FULL_FILE, META_FILE
 from dtrain.core.errors import CheckpointError, UserError
-from dtrain.files import outputs
+from dtrain.core.urls import is_url
+from dtrain.files import outputs, remote_copies
 from dtrain.files.digests import ALGORITHM, MARKER, read_marker, seal
 from dtrain.files.store import (
     CHECKPOINTS,
@@ -58,14 +60,11 @@ class ConvertCheckFailed(CheckpointError):
     """The converted checkpoint, read back, differs from its source: exit 1, nothing published."""
 
 
-def convert(path: str, to: str, out: str) -> str:
+def convert(path: str, to: str, out: str, shown: str | None = None) -> str:
     """Convert the checkpoint at `path` (a checkpoint folder or its checkpoint.pt) into format
-    `to` as the new checkpoint folder `out`; returns the line that reports it."""
-    if to not in FORMATS:
-        raise UserError(
-            f"convert error: --to {to}: unknown format; use --to full (one checkpoint.pt) "
-            f"or --to sharded (meta.pt + dcp/)"
-        )
+    `to` as the new checkpoint folder `out`; returns the line that reports it. `shown`: the
+    source's name in messages and in the new marker (its URL, for a fetched copy)."""
+    _check_format(to)
     _check_source_path(path)
     _check_out(out, path)
     with warnings.catch_warnings():
@@ -80,18 +79,49 @@ def convert(path: str, to: str, out: str) -> str:
                 f"(--to {other} converts it to the other format)"
             )
         data["format"] = to
-        marker = _new_marker(folder, path, to, data)
+        marker = _new_marker(folder, shown or os.path.abspath(path), to, data)
         final = _write(out, to, data, marker)
     step = data["train_state"].get("step", "?")
     return (
-        f"converted {path} ({fmt}, step {step}, saved by {data['world_size']} rank(s)) -> "
-        f"{final} ({to}); read back and equal to the source ({_count(data)} tensors)"
+        f"converted {shown or path} ({fmt}, step {step}, saved by {data['world_size']} "
+        f"rank(s)) -> {final} ({to}); read back and equal to the source ({_count(data)} tensors)"
     )
 
 
 def main(args: argparse.Namespace) -> int:
-    print(convert(args.checkpoint, args.to, args.out), flush=True)
+    """The command. The source, `--out`, or both may be in an object store: a source there is
+    fetched to a temporary folder (each file checked by its digest as it is read); a new
+    checkpoint there is made and checked here, then uploaded with its marker last (a folder
+    that lost its connection half-way has none, and is never read as a checkpoint)."""
+    source, out = args.checkpoint, args.out
+    if not (is_url(source) or is_url(out)):
+        print(convert(source, args.to, out), flush=True)
+        return 0
+    _check_format(args.to)
+    with tempfile.TemporaryDirectory(prefix="dtrain-convert-") as copies:
+        target = None
+        if is_url(out):
+            target = remote_copies.check_new(out, {}, "convert", "convert never overwrites")
+        local = source
+        if is_url(source):
+            remote_copies.marker_of(source, {}, "convert")  # a missing or damaged one: its line
+            folder = remote_copies.checkpoint_folder(source)
+            local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "source"), {})
+        made = os.path.join(copies, "out", "new") if target is not None else out
+        line = convert(local, args.to, made, shown=source)
+        if target is not None:
+            remote_copies.upload_folder(made, target, "convert")
+            line = line.replace(f"-> {made} (", f"-> {target.url} (")
+    print(line, flush=True)
     return 0
+
+
+def _check_format(to: str) -> None:
+    if to not in FORMATS:
+        raise UserError(
+            f"convert error: --to {to}: unknown format; use --to full (one checkpoint.pt) "
+            f"or --to sharded (meta.pt + dcp/)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +240,7 @@ def _new_marker(folder: str, path: str, to: str, data: dict[str, Any]) -> dict[s
     }
     marker = {k: v for k, v in source.items() if k not in _FILE_FIELDS}
     marker["format"] = to
-    marker["converted_from"] = os.path.abspath(path)
+    marker["converted_from"] = path
     return marker
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from dtrain import config, data
-from dtrain.checkpoint.load import apply_full, apply_sharded, open_checkpoint
+from dtrain.checkpoint.load import apply_full, apply_sharded, local_folder, open_checkpoint
 from dtrain.checkpoint.state import (
     FULL_FILE,
     META_FILE,
@@ -39,7 +40,8 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.config import Config
 from dtrain.core.errors import UserError
-from dtrain.files import names, outputs
+from dtrain.core.urls import is_url
+from dtrain.files import names, outputs, remote_copies
 from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
 from dtrain.loop import evaluation
 from dtrain.observe import StartupClock, log, setup_logging
@@ -117,22 +119,34 @@ class Chosen:
     file: str | None  # the full checkpoint's file
     step: int | None
     saved_world_size: int | None
+    url: str | None = None  # in an object store: where it is (`folder` is then a local copy)
 
     @property
     def name(self) -> str:
         return os.path.basename(os.path.normpath(self.folder))
 
+    @property
+    def shown(self) -> str:
+        return self.url or self.folder
 
-def choose(run_dir: str, which: str, cfg: Config) -> Chosen:
+
+def choose(run_dir: str, which: str, cfg: Config, listing_dir: str = "") -> Chosen:
     """`latest` (the last complete checkpoint saved, as resuming counts it), `best` (by
     ckpt.monitor, as rotation keeps it) or a PATH: its folder or checkpoint.pt. Its save must
-    have completed and every file it lists must have its size."""
-    store = Store(run_dir)  # listing only: Store.prepare would move folders
+    have completed and every file it lists must have its size. A run or a checkpoint in an
+    object store is only named here (`fetched` makes the local copy)."""
+    options = dict(cfg.run.storage_options)
+    store: Store
+    if is_url(run_dir):  # listing only: Store.prepare would move folders
+        store = remote_copies.listing(run_dir, options, listing_dir)
+        remote_copies.checkpoints(store, "eval", run_dir)
+    else:
+        store = Store(run_dir)
     if which == "latest":
         saved = store.complete()
         if not saved:
             raise UserError(
-                f"eval error: --checkpoint latest: no complete checkpoint in {store.dir}; "
+                f"eval error: --checkpoint latest: no complete checkpoint in {store.location}; "
                 f"name one with --checkpoint PATH"
             )
         path = saved[0].path
@@ -141,12 +155,18 @@ def choose(run_dir: str, which: str, cfg: Config) -> Chosen:
         best = store.best(monitor, mode)
         if best is None:
             raise UserError(
-                f"eval error: --checkpoint best: no checkpoint in {store.dir} records a value "
+                f"eval error: --checkpoint best: no checkpoint in {store.location} records a value "
                 f"of ckpt.monitor {monitor}; use --checkpoint latest or a PATH"
             )
         path = best.path
     else:
         path = which
+    if is_url(path):
+        marker = remote_copies.marker_of(path, options, "eval")
+        url = remote_copies.checkpoint_folder(path)
+        return Chosen(url, str(marker.get("format", "full")), None, marker.get("step"),
+                      marker.get("world_size"), url)  # fmt: skip
+    if which not in ("latest", "best"):
         if not os.path.exists(path):
             raise UserError(
                 f"eval error: --checkpoint {path} not found; name a checkpoint folder (or its "
@@ -169,6 +189,17 @@ def choose(run_dir: str, which: str, cfg: Config) -> Chosen:
     return Chosen(folder, fmt, file, marker.get("step"), marker.get("world_size"))
 
 
+def fetched(chosen: Chosen, into: str, options: dict[str, Any]) -> Chosen:
+    """A checkpoint in an object store as this process's local copy below `into` (of a full
+    one, rank 0 fetches the files; every rank fetches its marker), each file checked by its
+    digest as it is read; any other checkpoint as it is."""
+    if chosen.url is None:
+        return chosen
+    local = local_folder(chosen.url, into, options)
+    file = os.path.join(local, FULL_FILE) if chosen.fmt == "full" else None
+    return dataclasses.replace(chosen, folder=local, file=file)
+
+
 def load_weights(model: nn.Module, chosen: Chosen) -> None:
     """The checkpoint's model weights into `model` (wrapped for this launch), by the functions a
     resume loads them with (`checkpoint.load`): a full checkpoint is read by rank 0
@@ -180,7 +211,7 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
     def refuse_other_model(theirs: dict[str, tuple[int, ...]]) -> None:
         problem = shape_mismatch(ours, theirs)
         if problem:
-            raise UserError(f"checkpoint error: {chosen.folder}: {problem}")
+            raise UserError(f"checkpoint error: {chosen.shown}: {problem}")
 
     if chosen.fmt == "full":
         held: dict[str, Any] = {}  # rank 0's memory-mapped weights; never broadcast whole
@@ -210,7 +241,7 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
     except UserError:
         if not os.path.isdir(chosen.folder):
             raise UserError(
-                f"eval error: {chosen.folder} was removed while it was read (the training "
+                f"eval error: {chosen.shown} was removed while it was read (the training "
                 f"that is running rotated it out, ckpt.keep_last); run dtrain eval again"
             ) from None
         raise
@@ -222,7 +253,7 @@ def check_ema(chosen: Chosen) -> None:
 
     if not ema.has_ema(chosen.folder):
         raise UserError(
-            f"eval error: {chosen.folder} was saved without EMA weights (train.ema.decay "
+            f"eval error: {chosen.shown} was saved without EMA weights (train.ema.decay "
             f"unset); use --weights model"
         )
 
@@ -325,7 +356,20 @@ def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str
 
 def main(args: argparse.Namespace) -> int:
     run_dir, overrides = run_dir_and_overrides(args.run, args.overrides)
-    cfg = eval_config(run_dir, args.config, overrides)
+    with tempfile.TemporaryDirectory(prefix="dtrain-eval-") as copies:
+        return _evaluate_run(args, run_dir, overrides, copies)
+
+
+def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], copies: str) -> int:
+    """`copies`: this process's folder for what it reads of a run in an object store (its
+    config.yaml, the checkpoint) and for the result before it is uploaded."""
+    records = run_dir  # the folder that holds config.yaml and gets evals/
+    if is_url(run_dir):
+        records = os.path.join(copies, "run")
+        saved = os.path.join(records, names.CONFIG)
+        remote_copies.fetch_file(run_dir, names.CONFIG, saved, {}, "eval")
+    cfg = eval_config(records, args.config, overrides)
+    options = dict(cfg.run.storage_options)
     env = env_mod.detect()
     cfg, layout = eval_layout(cfg, env)
     dist.init(layout, cfg.dist)
@@ -333,7 +377,9 @@ def main(args: argparse.Namespace) -> int:
     val_loader: Any = None
     try:
         # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
-        chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg))
+        listing = os.path.join(copies, "listing")
+        chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg, listing))
+        chosen = fetched(chosen, os.path.join(copies, "checkpoint"), options)
         if args.weights == "ema":
             dist.on_main(lambda: check_ema(chosen))
         pieces = build_eval_pieces(cfg, layout, StartupClock())
@@ -347,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
             ema.load_ema_into(pieces.model, chosen.folder)
         samples = len(pieces.datasets.val)
         log.info(
-            f"evaluating {chosen.folder} (step {chosen.step}, {chosen.fmt}, saved at world size "
+            f"evaluating {chosen.shown} (step {chosen.step}, {chosen.fmt}, saved at world size "
             f"{chosen.saved_world_size}; {args.weights} weights) on {cfg.data.name} "
             f"({samples} validation samples) at world size {dist.world_size()}"
         )
@@ -359,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
         if dist.is_main():
             result = {
                 **metrics,
-                "checkpoint": os.path.abspath(chosen.folder),
+                "checkpoint": chosen.url or os.path.abspath(chosen.folder),
                 "step": chosen.step,
                 "weights": args.weights,
                 "data": describe_data(cfg, samples),
@@ -368,12 +414,20 @@ def main(args: argparse.Namespace) -> int:
                 "overrides": overrides,
                 "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             }
+            where = remote_copies.join(run_dir, EVALS) if is_url(run_dir) else None
             try:
-                path = write_result(run_dir, chosen.name, result)
+                path = write_result(records, chosen.name, result)
+                if where is not None:  # a run in a store: its result goes there, a new object
+                    url = remote_copies.join(where, os.path.basename(path))
+                    remote_copies.upload_file(path, url, options, "eval")
+                    path = url
             except OSError as e:
                 # The metrics were computed: they are shown even when they cannot be kept.
                 print(_line(chosen, metrics, samples, "not saved"), flush=True)
                 raise outputs.output_error("eval", os.path.join(run_dir, EVALS), e) from None
+            except UserError:
+                print(_line(chosen, metrics, samples, "not saved"), flush=True)
+                raise
             print(_line(chosen, metrics, samples, path), flush=True)
         dist.barrier()
         return 0

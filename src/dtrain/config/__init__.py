@@ -223,6 +223,8 @@ def _validate(obj: Any, prefix: str) -> None:
 
 # torch's generators take seeds up to 2**64 - 1, and the run adds the rank (and 1) to its seed.
 MAX_SEED = 2**63 - 1
+# The datasets that read data.root in an object store (the others read a disk).
+STORE_DATA = ("tokens", "hf")
 
 
 def _cross_checks(cfg: Config) -> None:
@@ -236,14 +238,15 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.model.init_from:
         urls.check_location(cfg.model.init_from, "model.init_from")
     urls.check_options(cfg.run.storage_options)
-    if urls.is_url(cfg.data.root) and cfg.data.name != "tokens":
+    if urls.is_url(cfg.data.root) and cfg.data.name not in STORE_DATA:
         urls.check_location(cfg.data.root, "data.root")
         raise UserError(
             f"config error: data.root: {cfg.data.root}: of an object store, dtrain reads token "
-            f"files (data.name: tokens); data.name {cfg.data.name} reads a disk: copy it to a "
-            f"node-local folder first (aws s3 sync {cfg.data.root} DIR) and set data.root=DIR"
+            f"files (data.name: tokens) and datasets saved by save_to_disk (data.name: hf); "
+            f"data.name {cfg.data.name} reads a disk: copy it to a node-local folder first "
+            f"(aws s3 sync {cfg.data.root} DIR) and set data.root=DIR"
         )
-    if cfg.data.name == "tokens":
+    if cfg.data.name in STORE_DATA:
         urls.check_location(cfg.data.root, "data.root")
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(

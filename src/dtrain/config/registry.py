@@ -127,8 +127,8 @@ DATASETS = Table(
             sizes="dtrain.data.sizes:tokens",
         ),
         "hf": Entry(
-            "dtrain.data.hf:build",
-            "Hugging Face datasets on disk (saved, parquet)",
+            "dtrain.data.hf_store:build",
+            "Hugging Face datasets on disk (saved, parquet) or saved to an object store",
             sizes="dtrain.data.sizes:hf",
         ),
     },

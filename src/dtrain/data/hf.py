@@ -464,10 +464,12 @@ def _tensor(value: Any) -> Any:
 # Building the datasets
 
 
-def build(cfg: DataConfig, seed: int) -> Datasets:
+def build(cfg: DataConfig, seed: int, found: Survey | None = None) -> Datasets:
     """The train and validation sets of `data.root`: rank 0 checks the data (and converts
-    parquet / JSON lines into the cache), then every rank maps it."""
-    found = dist.on_main(lambda: survey(cfg, seed))
+    parquet / JSON lines into the cache), then every rank maps it. `found`: rank 0's survey,
+    when it was made already."""
+    if found is None:
+        found = dist.on_main(lambda: survey(cfg, seed))
     train = found.train.open()
     skip = cfg.on_bad_sample == "skip"
     train_rows = val_rows = None

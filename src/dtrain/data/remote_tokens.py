@@ -1,20 +1,18 @@
 """Token files in an object store (`data.root: s3://bucket/tokens`): each shard read by ranged
 requests, or, when the folder fits `data.tokens.cache_gib`, from a node-local copy made once per
-node (the first process to need a shard fetches it under a lock, the others wait and map it).
-A cached copy is used only while its size is the store's; memory per rank stays flat either way
-(a ranged read holds one window, a copy is memory-mapped)."""
+node (`node_copy`: the first process to need a shard fetches it under a lock, the others wait and
+map it), used only while it is the version the store lists (size and ETag). Memory per rank stays
+flat either way (a ranged read holds one window, a copy is memory-mapped)."""
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from dtrain.core.errors import UserError
+from dtrain.data import node_copy
 from dtrain.files.objstore import ObjectStore
 
 
@@ -23,8 +21,18 @@ class RemoteShard:
     tokens (a memory map of the node's copy, or ranged reads). Pickled into loader workers as
     its URL: each process opens the store itself."""
 
-    def __init__(self, folder: str, name: str, nbytes: int, cache: str | None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        name: str,
+        nbytes: int,
+        cache: str | None,
+        version: str = "",
+        digest: str = "",
+    ) -> None:
         self.folder, self.name, self.nbytes, self.cache = folder, name, nbytes, cache
+        self.version = version  # the ETag the store listed: a copy of another is fetched again
+        self.digest = digest  # meta.json's for the file (dtrain tokenize's), checked on a fetch
 
     @property
     def url(self) -> str:
@@ -34,13 +42,9 @@ class RemoteShard:
         objects = ObjectStore(self.folder)
         if self.cache is None:
             return _Ranged(objects, self.name, dtype, self.nbytes // dtype.itemsize)
-        local = os.path.join(self.cache, self.name)
-        if not _fetched(local, self.nbytes):
-            os.makedirs(self.cache, exist_ok=True)
-            with open(local + ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch per node; the others wait for it
-                if not _fetched(local, self.nbytes):
-                    _fetch(objects, self.name, local, self.nbytes)
+        local = node_copy.ensure(
+            objects, self.name, self.nbytes, self.version, self.cache, self.digest
+        )
         return np.memmap(local, dtype=dtype, mode="r")
 
 
@@ -64,35 +68,15 @@ class _Ranged:
         return np.frombuffer(data, dtype=self.dtype)
 
 
-def _fetched(local: str, nbytes: int) -> bool:
-    try:
-        return os.path.getsize(local) == nbytes
-    except OSError:
-        return False
-
-
-def _fetch(objects: ObjectStore, name: str, local: str, nbytes: int) -> None:
-    tmp = f"{local}.tmp.{os.getpid()}"
-    try:
-        objects.get(name, tmp)
-        if os.path.getsize(tmp) != nbytes:
-            raise UserError(
-                f"data error: {objects.url_of(name)} changed while it was fetched "
-                f"({os.path.getsize(tmp)} bytes, the store listed {nbytes})"
-            )
-        os.replace(tmp, local)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def listing(root: str) -> tuple[dict[str, int], bytes | None]:
-    """The token folder in the store: its files' sizes by name, and meta.json's bytes (None
-    when there is none). One line when the store cannot be read."""
+def listing(root: str) -> tuple[dict[str, int], bytes | None, dict[str, str]]:
+    """The token folder in the store: its files' sizes by name, meta.json's bytes (None when
+    there is none), and the files' versions (ETags). One line when the store cannot be read."""
     objects = ObjectStore(root)
     try:
         objects.check()
-        files = {n: s for n, s in objects.files().items() if "/" not in n}
+        found = {n: v for n, v in objects.versions().items() if "/" not in n}
+        files = {n: size for n, (size, _) in found.items()}
+        versions = {n: version for n, (_, version) in found.items()}
         meta = objects.cat("meta.json") if "meta.json" in files else None
     except UserError:
         raise
@@ -103,7 +87,7 @@ def listing(root: str) -> tuple[dict[str, int], bytes | None]:
             f"data error: token folder not found at '{root}': no objects there; set data.root "
             f"to a folder of train.bin and val.bin (e.g. made by dtrain tokenize, then uploaded)"
         )
-    return files, meta
+    return files, meta, versions
 
 
 def cache_folder(root: str, files: dict[str, int], cache_gib: float) -> str | None:
@@ -111,5 +95,4 @@ def cache_folder(root: str, files: dict[str, int], cache_gib: float) -> str | No
     the cache is off (0) or the folder is larger than it."""
     if cache_gib <= 0 or sum(files.values()) > cache_gib * 2**30:
         return None
-    digest = hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"dtrain-data-{os.getuid()}", digest)
+    return node_copy.folder_for(root)

@@ -53,9 +53,9 @@ def tokens(cfg: DataConfig, seed: int) -> Datasets:
 
 def hf(cfg: DataConfig, seed: int) -> Datasets:
     """Rows counted, columns checked, a sample of image headers read."""
-    from dtrain.data import hf as hf_data
+    from dtrain.data import hf_store
 
-    found = hf_data.survey(cfg, seed)
+    found = hf_store.survey(cfg, seed)
     return _sized(found.rows[0], found.rows[1], found.info, found.notes)
 
 

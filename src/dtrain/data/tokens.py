@@ -35,6 +35,7 @@ from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
 from dtrain.data.remote_tokens import RemoteShard
 from dtrain.data.sampler import SampleKey, index_of
 from dtrain.files import names
+from dtrain.files.digests import ALGORITHM
 from dtrain.process import dist
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -277,14 +278,30 @@ def _split_files(root: str, split: str, listed: dict[str, int] | None = None) ->
 
 
 def _parts(
-    root: str, paths: list[str], listed: dict[str, int] | None, cache_gib: float
+    root: str,
+    paths: list[str],
+    listed: dict[str, int] | None,
+    cache_gib: float,
+    versions: dict[str, str],
+    digests: dict[str, str],
 ) -> list[str | RemoteShard]:
-    """The files as a Span reads them: paths on a disk, shards in a store."""
+    """The files as a Span reads them: paths on a disk, shards in a store (with their versions
+    and meta.json's digests, which a node's copy is checked against)."""
     if listed is None:
         return list(paths)
     cache = remote_tokens.cache_folder(root, listed, cache_gib)
     shards = [os.path.basename(p) for p in paths]
-    return [RemoteShard(root, n, listed[n], cache) for n in shards]
+    return [RemoteShard(root, n, listed[n], cache, versions.get(n, ""), digests.get(n, ""))
+            for n in shards]  # fmt: skip
+
+
+def _digests(meta: dict[str, Any]) -> dict[str, str]:
+    """meta.json's content digests of the files (dtrain tokenize writes them), when they are of
+    the algorithm dtrain checks; none otherwise (a folder made by hand, an older one)."""
+    digests = meta.get("digests")
+    if meta.get("digest") != ALGORITHM or not isinstance(digests, dict):
+        return {}
+    return {str(k): str(v) for k, v in digests.items()}
 
 
 def _read_meta(path: str, data: bytes | None = None) -> dict[str, Any]:
@@ -326,8 +343,9 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
     root, keys = cfg.root, cfg.tokens
     listed: dict[str, int] | None = None
     meta_bytes: bytes | None = None
+    versions: dict[str, str] = {}
     if is_url(root):
-        listed, meta_bytes = remote_tokens.listing(root)
+        listed, meta_bytes, versions = remote_tokens.listing(root)
     elif not os.path.isdir(root):
         raise UserError(
             f"data error: token folder not found at '{root}': set data.root to a folder of "
@@ -358,8 +376,9 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
         meta, dtype, vocab = {}, keys.dtype, keys.vocab_size
         per_token = {split: None for split in files}
         described = "data.tokens.dtype and data.tokens.vocab_size"
-    spans = {split: Span(_parts(root, paths, listed, keys.cache_gib), DTYPES[dtype])
-             for split, paths in files.items()}  # fmt: skip
+    digests = _digests(meta)
+    spans = {split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests),
+                         DTYPES[dtype]) for split, paths in files.items()}  # fmt: skip
     for split, paths in files.items():
         said = (meta.get("tokens") or {}).get(split)
         if isinstance(said, int) and said != len(spans[split]):

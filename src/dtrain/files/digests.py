@@ -48,13 +48,21 @@ class HashingFile:
     digest costs no second read of the file. A large write is hashed by a helper thread while
     this one writes (both release the GIL), and both end before `write` returns: the bytes are
     only borrowed for the call (torch passes views of memory it may free afterwards), and the
-    hash sees the writes in order. Sequential writes only: no seek."""
+    hash sees the writes in order. Sequential writes only: no seek. `also`: a second sink that
+    gets every byte after the file (an object store's upload of the same file, as it is made)."""
 
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, also: Any = None) -> None:
         self._file = file
         self._hash = new_hash()
+        self._also = also
 
     def write(self, data: Any) -> int:
+        written = self._write(data)
+        if self._also is not None:
+            self._also.write(data)
+        return written
+
+    def _write(self, data: Any) -> int:
         global _hashers
         if memoryview(data).nbytes < _PARALLEL:
             self._hash.update(data)

@@ -21,7 +21,7 @@ from dtrain.core.imports import require
 from dtrain.core.logs import log
 from dtrain.core.urls import is_url, join, staging_dir
 
-__all__ = ["ObjectStore", "PreconditionFailed", "is_url", "join", "staging_dir"]
+__all__ = ["ObjectStore", "PreconditionFailed", "StreamingUpload", "is_url", "join", "staging_dir"]
 
 # Short timeouts and bounded retries: an unreachable endpoint is one line within a minute, a
 # 503 "SlowDown" is retried with backoff (botocore's standard retry mode).
@@ -112,6 +112,24 @@ class ObjectStore:
             if name.startswith(base + "/")
         }
 
+    def versions(self, rel: str = "") -> dict[str, tuple[int, str]]:
+        """`files`, each with its version too: its ETag, which changes whenever the object is
+        written again (a content digest only for single-part uploads: a version, not a check)."""
+        base = self.path(rel)
+        try:
+            found = self.fs.find(base, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        return {
+            name[len(base) + 1 :]: (int(info.get("size", 0)), str(info.get("ETag", "")))
+            for name, info in found.items()
+            if name.startswith(base + "/")
+        }
+
+    def version(self, rel: str) -> str:
+        """The object's ETag now (FileNotFoundError when there is none)."""
+        return str(self.fs.info(self.path(rel), refresh=True).get("ETag", ""))
+
     def folders(self, rel: str = "") -> list[str]:
         """The names of the folders (common prefixes) directly below `rel`."""
         try:
@@ -134,8 +152,18 @@ class ObjectStore:
         return found
 
     # -- writing -------------------------------------------------------------------------------
-    def put(self, local: str, rel: str) -> None:
-        self.fs.put_file(local, self.path(rel))
+    def put(self, local: str, rel: str, create: bool = False) -> None:
+        """Upload the file `local`; with `create`, only if there is no such object
+        (If-None-Match: *), else PreconditionFailed."""
+        if not create:
+            self.fs.put_file(local, self.path(rel))
+            return
+        try:
+            self.fs.put_file(local, self.path(rel), mode="create")
+        except (FileExistsError, OSError) as e:
+            if isinstance(e, FileExistsError) or "condition" in str(e).lower():
+                raise PreconditionFailed(rel) from None
+            raise
 
     def pipe(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(rel), data)
@@ -205,6 +233,85 @@ class ObjectStore:
                 f"network"
             )
         return UserError(f"storage error: cannot {doing} {self.url} at {self.endpoint}: {text}")
+
+
+class StreamingUpload:
+    """One object uploaded while it is written: its bytes go up in parts (S3's multipart upload)
+    as they come, at most two parts in flight beside the writer, and the object exists once
+    `finish` completes the upload; `abort` (or a failed part) leaves no object. A file smaller
+    than a part is one plain upload at `finish`. Parts of 16 MiB, growing every 1,000 parts
+    (S3 takes at most 10,000): about 880 GB at most."""
+
+    PART = 16 * 2**20
+    IN_FLIGHT = 2
+
+    def __init__(self, objects: ObjectStore, rel: str) -> None:
+        self.fs, self.bucket, self.key = objects.fs, objects.bucket, objects.key(rel)
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []
+        self.pending: list[tuple[int, Any]] = []  # (part number, future) in order
+        self.buffer = bytearray()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.buffer += view  # a copy: the writer may reuse its memory once write returns
+        while len(self.buffer) >= self._part_bytes():
+            size = self._part_bytes()
+            self._send(bytes(self.buffer[:size]))
+            del self.buffer[:size]
+        return view.nbytes
+
+    def finish(self) -> None:
+        if self.upload_id is None:
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(self.buffer))
+            return
+        if self.buffer:
+            self._send(bytes(self.buffer))
+            self.buffer.clear()
+        while self.pending:
+            self._collect()
+        self.fs.call_s3(
+            "complete_multipart_upload",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": self.parts},
+        )
+
+    def abort(self) -> None:
+        for _, future in self.pending:
+            future.cancel()
+        self.pending.clear()
+        if self.upload_id is not None:
+            try:
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                    UploadId=self.upload_id,
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the store discards it after a while
+                log.debug(f"object store: could not abort the upload of {self.key}: {e!r}")
+
+    def _part_bytes(self) -> int:
+        return self.PART * (1 + (len(self.parts) + len(self.pending)) // 1000)
+
+    def _send(self, body: bytes) -> None:
+        import asyncio
+
+        if self.upload_id is None:
+            started = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self.upload_id = str(started["UploadId"])
+        number = len(self.parts) + len(self.pending) + 1
+        request = self.fs._call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number,
+            UploadId=self.upload_id, Body=body,
+        )  # fmt: skip
+        self.pending.append((number, asyncio.run_coroutine_threadsafe(request, self.fs.loop)))
+        while len(self.pending) > self.IN_FLIGHT:
+            self._collect()
+
+    def _collect(self) -> None:
+        number, future = self.pending.pop(0)
+        self.parts.append({"PartNumber": number, "ETag": future.result()["ETag"]})
 
 
 def _read_body(fs: Any, body: Any) -> bytes:

@@ -19,13 +19,14 @@ import datetime
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.files.digests import ALGORITHM, MARKER, parse_marker, seal, verify_files
-from dtrain.files.objstore import ObjectStore
+from dtrain.files.objstore import ObjectStore, StreamingUpload
 from dtrain.files.store import CHECKPOINTS, LATEST, RECORD_FILES, SUPERSEDED, Entry, Store
 
 
@@ -43,6 +44,8 @@ class RemoteStore(Store):
         # Called before each marker is written: the run's records up to the checkpoint go up
         # first, so that a resume from it never finds them short (a gap before its step).
         self.before_marker: Callable[[], None] = lambda: None
+        self._streamed: set[tuple[str, str]] = set()  # (save, file) uploaded as it was written
+        self._lock = threading.Lock()  # DCP writes a rank's files in threads
 
     def complete(self) -> list[Entry]:
         entries = []
@@ -72,12 +75,23 @@ class RemoteStore(Store):
         if damaged:
             self.supersede(damaged, f"no {MARKER} marker that can be trusted (damaged)")
 
+    def streaming(self, name: str, rel: str) -> StreamingUpload:
+        """The file `rel` of the save `name` goes up while it is written (its staging copy is
+        written too, for its size and digest): `upload` then has nothing left to send of it."""
+        with self._lock:
+            self._streamed.add((name, rel))
+        return StreamingUpload(self.checkpoints, f"{name}/{rel}")
+
     def upload(self, name: str, tmp: str, files: list[str]) -> None:
-        """This rank's files of the save `name`, from its staging folder into the store; each
-        local copy goes once it is up."""
+        """This rank's files of the save `name`, from its staging folder into the store (those
+        not streamed while they were written); each local copy goes once it is up."""
         for rel in files:
             local = os.path.join(tmp, rel)
-            self.checkpoints.put(local, f"{name}/{rel}")
+            with self._lock:
+                streamed = (name, rel) in self._streamed
+                self._streamed.discard((name, rel))
+            if not streamed:
+                self.checkpoints.put(local, f"{name}/{rel}")
             os.remove(local)
 
     def discard(self, name: str) -> None:

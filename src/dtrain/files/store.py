@@ -232,6 +232,11 @@ class Store:
         # a disk, where it fails for reasons that stay (full, read-only).
         self.retries_saves = False
 
+    def streaming(self, name: str, rel: str) -> Any:
+        """An upload of the save `name`'s file `rel` while it is written, where the store is not
+        this disk (None here: it is written where it stays)."""
+        return None
+
     def upload(self, name: str, tmp: str, files: list[str]) -> None:
         """Each rank's own files of a save, where the store is not this disk (a no-op here)."""
 

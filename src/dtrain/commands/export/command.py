@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -27,15 +28,27 @@ from dtrain import checkpoint, config, models, tasks
 from dtrain.checkpoint.state import load_checked, read_sharded
 from dtrain.commands.export.check import difference, report
 from dtrain.core.errors import UserError, first_line
-from dtrain.files import names, outputs
+from dtrain.core.urls import is_url
+from dtrain.files import names, outputs, remote_copies
 
 FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors")
 WEIGHTS = ("model", "ema")
+# Uploaded last, after the files beside them (safetensors' config): an export interrupted in the
+# upload has no new weights beside an old config.
+WEIGHT_FILES = (".safetensors", ".onnx", ".pt", ".pth")
 
 
-def newest_checkpoint(run_dir: str) -> str:
-    """The folder of the run directory's newest complete checkpoint: the last one saved, as
-    resuming counts it (not the largest step in a name)."""
+def newest_checkpoint(run_dir: str, listing_dir: str = "") -> str:
+    """The folder (or, in an object store, the URL) of the run directory's newest complete
+    checkpoint: the last one saved, as resuming counts it (not the largest step in a name)."""
+    if is_url(run_dir):
+        remote = remote_copies.listing(run_dir, {}, listing_dir)
+        newest = remote_copies.checkpoints(remote, "export", run_dir)
+        if not newest:
+            raise UserError(
+                f"export error: --run-dir {run_dir}: no complete checkpoint in {remote.location}"
+            )
+        return newest[0].path
     store = checkpoint.Store(run_dir)
     if not os.path.isdir(store.dir):
         raise UserError(
@@ -46,6 +59,52 @@ def newest_checkpoint(run_dir: str) -> str:
     if not saved:
         raise UserError(f"export error: --run-dir {run_dir}: no complete checkpoint in {store.dir}")
     return saved[0].path
+
+
+def main(
+    run: str | None,
+    path: str | None,
+    out: str,
+    fmt: str = "state_dict",
+    weights: str = "model",
+    overrides: list[str] | tuple[str, ...] = (),
+) -> float:
+    """The command: the checkpoint at `path` (or the newest of the run `run`) exported to `out`.
+    Either may be in an object store: a checkpoint there is fetched to a temporary folder (each
+    file checked by its digest as it is read), an export is made and checked here, then uploaded
+    (the weights file last: an interrupted upload leaves no new weights beside an old config)."""
+    check_request(fmt, weights, overrides)
+    with tempfile.TemporaryDirectory(prefix="dtrain-export-") as copies:
+        source = path if path is not None else newest_checkpoint(str(run), copies)
+        local = source
+        if is_url(source):
+            remote_copies.marker_of(source, {}, "export")  # a missing or damaged one: its line
+            folder = remote_copies.checkpoint_folder(source)
+            local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "checkpoint"), {})
+        if not is_url(out):
+            return export(local, out, fmt, weights, overrides, shown=source)
+        parent, name = out.rstrip("/").rsplit("/", 1)
+        made = os.path.join(copies, "out")
+        os.makedirs(made)
+        found = export(local, os.path.join(made, name), fmt, weights, overrides, shown=source,
+                       where=(made, parent))  # fmt: skip
+        objects = remote_copies.ObjectStore(parent, {})
+        files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
+        try:
+            for rel in files:
+                objects.put(os.path.join(made, rel), rel)
+        except Exception as e:  # noqa: BLE001 - the store's failure as one line
+            raise objects.error(e, "write to") from None
+        return found
+
+
+def names_below(folder: str) -> list[str]:
+    """Every file below `folder`, by its name relative to it."""
+    return [
+        os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
+        for d, _, files in os.walk(folder)
+        for f in files
+    ]
 
 
 def load_model(path: str, weights: str = "model") -> tuple[nn.Module, dict]:
@@ -105,6 +164,20 @@ def example_input(meta: dict, size: int = 4) -> Any:
     return make(meta["model_info"], size) if make is not None else None
 
 
+def check_request(fmt: str, weights: str, overrides: list[str] | tuple[str, ...]) -> None:
+    """What the command is asked for, before any checkpoint is read (or fetched)."""
+    if fmt not in FORMATS:
+        raise UserError(f"export error: unknown format '{fmt}'; one of {', '.join(FORMATS)}")
+    if weights not in WEIGHTS:
+        raise UserError(f"export error: unknown --weights '{weights}'; model or ema")
+    if overrides and fmt != "onnx":
+        raise UserError(
+            "export error: data.* overrides steer the validation batch of --format onnx's "
+            "check only; drop them"
+        )
+    _required(fmt)
+
+
 def _required(fmt: str) -> None:
     """The optional packages a format needs, before any checkpoint is read: a missing one is
     one line naming the extra (exit 2)."""
@@ -121,19 +194,13 @@ def export(
     fmt: str = "state_dict",
     weights: str = "model",
     overrides: list[str] | tuple[str, ...] = (),
+    shown: str | None = None,
+    where: tuple[str, str] | None = None,
 ) -> float:
     """Write the export, load it back, and return the largest difference found by the check.
-    `overrides` (data.* keys) steer where the ONNX check reads its validation batch."""
-    if fmt not in FORMATS:
-        raise UserError(f"export error: unknown format '{fmt}'; one of {', '.join(FORMATS)}")
-    if weights not in WEIGHTS:
-        raise UserError(f"export error: unknown --weights '{weights}'; model or ema")
-    if overrides and fmt != "onnx":
-        raise UserError(
-            "export error: data.* overrides steer the validation batch of --format onnx's "
-            "check only; drop them"
-        )
-    _required(fmt)
+    `overrides` (data.* keys) steer where the ONNX check reads its validation batch. `shown`:
+    the checkpoint's name in messages (its URL); `where`: (this folder, the URL it stands for)."""
+    check_request(fmt, weights, overrides)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
     if os.path.isdir(os.path.join(path, names.CHECKPOINTS)):
@@ -144,7 +211,8 @@ def export(
     if fmt != "safetensors" and os.path.isdir(out):
         raise UserError(f"export error: --out {out} is a directory; name the file to write")
     model, meta = load_model(path, weights)
-    what = f"{path} ({weights} weights)" if weights == "ema" else path
+    shown = shown or path
+    what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     # Written beside the final files under a hidden name, checked, then renamed into place: a
     # failure (a full disk, a failed check) leaves an earlier export at --out as it was.
     if fmt == "safetensors":
@@ -154,13 +222,14 @@ def export(
     else:
         final = out
     folder = os.path.dirname(final)
+    here, there = where or (folder, folder)
     with outputs.staged(folder, "export") as stage:
         staging = os.path.join(stage, os.path.basename(final))
         try:
             found, line = _write(fmt, model, meta, what, staging, list(overrides), weights)
         except UserError as e:
-            raise type(e)(_final_paths(str(e), stage, folder)) from None
-    print(_final_paths(line, stage, folder))
+            raise type(e)(_final_paths(_final_paths(str(e), stage, folder), here, there)) from None
+    print(_final_paths(_final_paths(line, stage, folder), here, there))
     return found
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from dtrain.commands.tokenize.inputs import Piece, Source, pieces
 from dtrain.core.errors import UserError
 from dtrain.files import names
+from dtrain.files.digests import ALGORITHM, file_digest
 from dtrain.observe.progress import clock
 
 BYTES_COUNTED = (
@@ -207,9 +208,13 @@ def existing_shards(out: str) -> list[str]:
 
 
 def publish(out: str, partial: dict[str, str], meta: dict[str, Any]) -> None:
-    """Rename the finished `.partial` files to their names and write meta.json last. An older
+    """Rename the finished `.partial` files to their names and write meta.json last, with
+    every file's digest. An older
     meta.json goes first and stale shards of another run with it, so that until the new
     meta.json is in place the folder does not claim to be complete."""
+    # Each file's content digest, for the copies a node makes of the folder in an object store.
+    digests = {name: file_digest(path) for name, path in sorted(partial.items())}
+    meta = {**meta, "digest": ALGORITHM, "digests": digests}
     for name in existing_shards(out):
         if name == names.TOKEN_META or name not in partial:
             os.remove(os.path.join(out, name))
