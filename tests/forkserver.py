@@ -39,6 +39,9 @@ from typing import Optional
 # them otherwise than the server started with needs a fresh interpreter.
 READ_AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS", "GOTO", "TORCH", "CUDA",
                  "NVIDIA", "GLIBC_TUNABLES", "MALLOC_", "LC_", "LANG")
+# Of those, what is read later, when used: the suite's own PYTHON (the interpreter its scripts
+# run), torch.hub's folder.
+READ_WHEN_USED = ("PYTHON", "TORCH_HOME")
 # What a tiny run imports that is worth importing once (the rest is quick, or particular).
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "torch.utils.data",
@@ -134,7 +137,8 @@ def _incompatible(env: dict) -> Optional[str]:
     TORCHINDUCTOR_CACHE_DIR to its default when imported): a fresh child inherits them too, with
     the values the server's libraries use anyway."""
     assert _server is not None
-    for key in sorted({k for k in (*env, *_server.env) if k.startswith(READ_AT_START)}):
+    keys = {k for k in (*env, *_server.env) if k.startswith(READ_AT_START)}
+    for key in sorted(keys - set(READ_WHEN_USED)):
         ours = env.get(key)
         if ours == _server.env.get(key):
             continue

@@ -239,10 +239,11 @@ class StreamingUpload:
     """One object uploaded while it is written: its bytes go up in parts (S3's multipart upload)
     as they come, at most two parts in flight beside the writer, and the object exists once
     `finish` completes the upload; `abort` (or a failed part) leaves no object. A file smaller
-    than a part is one plain upload at `finish`. Parts of 16 MiB, growing every 1,000 parts
-    (S3 takes at most 10,000): about 880 GB at most."""
+    than a part is one plain upload at `finish`. Parts of 8 MiB (small parts overlap the upload
+    with the writing best: bench/objstore_io.py), growing every 1,000 parts (S3 takes at most
+    10,000): about 440 GB at most."""
 
-    PART = 16 * 2**20
+    PART = 8 * 2**20
     IN_FLIGHT = 2
 
     def __init__(self, objects: ObjectStore, rel: str) -> None:
