@@ -314,6 +314,22 @@ def run(cmd: list[str], *, cwd, env: dict, timeout: Optional[float] = None,
 
 # -- the server ----------------------------------------------------------------------------------
 
+# The signals whose handling a fresh Python starts with otherwise than the default: SIGINT raises
+# KeyboardInterrupt, SIGPIPE and SIGXFSZ are ignored. Every other one is reset in a child.
+_PYTHON_STARTS_WITH = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
+                       signal.SIGXFSZ: signal.SIG_IGN}
+
+
+def _reset_signals() -> None:
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, _PYTHON_STARTS_WITH.get(sig, signal.SIG_DFL))
+        except (OSError, ValueError):
+            pass
+
+
 def _child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the launch, run it, exit as Python would. Never returns."""
     import runpy
@@ -321,8 +337,7 @@ def _child(request: dict, fds: list[int]) -> None:
 
     code = 1
     try:
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        _reset_signals()
         if request["session"]:
             os.setsid()
         for target, fd in enumerate(fds):
@@ -339,6 +354,8 @@ def _child(request: dict, fds: list[int]) -> None:
         else:
             sys.argv = [request["script"], *request["args"]]
             sys.path[0] = os.path.dirname(os.path.realpath(request["script"]))
+        if request.get("module") == "torch.distributed.run":
+            _fork_ranks()
         try:
             if "module" in request:
                 runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -375,6 +392,87 @@ def _child(request: dict, fds: list[int]) -> None:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code & 0xFF)
+
+
+# -- torchrun's ranks, in a forked agent -----------------------------------------------------------
+
+# What torchrun sets for each rank and the rank reads when it runs, not when torch is imported.
+_SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+
+
+def _fork_ranks() -> None:
+    """In a forked torchrun agent: the ranks it starts are forked from it (not from the server:
+    so they stay the agent's children, in sessions of their own, as torchrun starts them), where
+    the rank's command is `python [-u] SCRIPT ...` and its environment differs from the server's
+    only in what torchrun sets for a rank. The rest get torchrun's own subprocess.Popen."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    started = handler.SubprocessHandler._popen
+    agent_env = dict(os.environ)  # the agent's launch: what its server accepted
+
+    def popen(self, args: tuple, env: dict) -> object:
+        words = [str(a) for a in args]
+        if words[1:2] == ["-u"]:
+            words = [words[0], *words[2:]]
+        program = _program(words)
+        if program is None or "script" not in program or not _rank_fits(env, agent_env):
+            return started(self, args, env)
+        request = {**program, "cwd": os.getcwd(), "env": dict(env), "session": True}
+        out = self._stdout.fileno() if self._stdout else 1
+        err = self._stderr.fileno() if self._stderr else 2
+        return _ForkedRank(list(args), request, [0, out, err])
+
+    handler.SubprocessHandler._popen = popen
+
+
+def _rank_fits(env: dict, agent_env: dict) -> bool:
+    """Whether a rank's environment is the agent's but for what torchrun sets per rank (the
+    agent's own was checked against the server's when it was forked)."""
+    keys = {k for k in (*env, *agent_env) if k.startswith(READ_AT_START)}
+    for key in keys - set(READ_WHEN_USED):
+        if env.get(key) != agent_env.get(key) and not key.startswith(_SET_BY_TORCHRUN):
+            return False
+    return True
+
+
+class _ForkedRank:
+    """A rank forked from the agent: its child, waited for as subprocess.Popen waits."""
+
+    def __init__(self, args: list[str], request: dict, fds: list[int]) -> None:
+        self.args = args
+        self.returncode: Optional[int] = None
+        pid = os.fork()
+        if pid == 0:
+            _child(request, fds)
+        self.pid = pid
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def serve(address: str) -> None:

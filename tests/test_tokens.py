@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import descendants, dtrain, kill_then_resume, latest, launch, start
+from conftest import dtrain, kill_then_resume, latest, launch, start
 
 from dtrain import config
 from dtrain.commands.plan import command as plan
@@ -365,48 +365,35 @@ def test_a_resume_onto_another_world_size_serves_the_uninterrupted_order(tmp_pat
     assert served(second) == order[32:]
 
 
-def processes_below(pid: int) -> list[int]:
-    """descendants(pid), read from /proc/<pid>/task/*/children where the kernel has them: a
-    scan of every process of the machine takes milliseconds, too long to repeat every 20 ms."""
-    if not Path(f"/proc/self/task/{os.getpid()}/children").exists():
-        return descendants(pid)
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            children = [int(child) for task in Path(f"/proc/{parent}/task").iterdir()
-                        for child in (task / "children").read_text().split()]
-        except OSError:
-            continue  # gone
-        found += children
-        todo += children
-    return found
-
-
 def peak_rss_anon_of_ranks(overrides: list[str], run_dir: Path) -> list[int]:
-    """Run 2 ranks and sample each rank's RssAnon while it runs: the peak of each rank."""
+    """Run 2 ranks and sample each rank's RssAnon while it runs: the peak of each rank (the
+    agent's two children; which is rank 0 does not matter here)."""
     proc = start(run_dir, overrides, nproc=2)
     peaks: dict[int, int] = {}
-    ranks: dict[int, int] = {}  # rank -> pid, once seen (a rank keeps its process to the end)
+    ranks: list[int] = []  # the agent's children, once seen (a rank keeps its process to the end)
     while proc.poll() is None:
-        for pid in processes_below(proc.pid) if len(ranks) < 2 else ():
+        if len(ranks) < 2:
+            ranks = sorted(set(ranks) | set(children_of(proc.pid)))[:2]
+        for pid in ranks:
             try:
-                if b"launch/train.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    continue
-                rank = next(v for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                            if v.startswith(b"RANK="))
-                ranks[int(rank[5:])] = pid
-            except (OSError, StopIteration, ValueError):
-                continue  # not started yet, or gone
-        for rank, pid in ranks.items():
-            try:
-                peaks[rank] = max(peaks.get(rank, 0), rss_anon(pid))
+                peaks[pid] = max(peaks.get(pid, 0), rss_anon(pid))
             except (OSError, StopIteration):
                 continue  # gone
         time.sleep(0.02)
     assert proc.returncode == 0 and json.loads(
         (latest(run_dir) / "COMPLETE").read_text())["step"] == 20
-    return [peaks[0], peaks[1]]
+    assert len(peaks) == 2, peaks
+    return sorted(peaks.values())
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes `pid` started (read from /proc/<pid>/task/*/children: quick enough to ask
+    every 20 ms)."""
+    try:
+        return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    except OSError:
+        return []
 
 
 @pytest.mark.slow
