@@ -204,6 +204,16 @@ def test_sharded_checkpoints_from_each_rank_and_another_world_size(s3, tmp_path:
     assert f"resumed from {out}/r/checkpoints/step_000004-epoch_00 (step 4" in resumed.stderr
     assert "world size changed from 2 to 1" in resumed.stderr
     assert sorted(_losses(_metrics(fs, f"{out}/r"))) == [1, 2, 3, 4, 5, 6]
+    # Back on 2 ranks of one node: the node fetches the checkpoint once (one rank, while the
+    # other waits and reads its copy), and the copy is gone once both applied it.
+    again = launch(tmp_path / "x" / "r", [*job, "train.max_steps=8", f"run.out_dir={out}"],
+                   nproc=2, env=s3.env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(_losses(_metrics(fs, f"{out}/r"))) == list(range(1, 9))
+    fetches = [fs.cat(f"{bucket}/exp/r/{log}").decode().count(
+        f"fetched {out}/r/checkpoints/step_000006-epoch_00 (") for log in ("log.txt", "log.rank1.txt")]
+    assert sorted(fetches) == [0, 1], fetches
+    assert not [p for p in (tmp_path / "stage").rglob(".fetched-*")]
 
     # The 2 ranks' sharded checkpoint, fetched and evaluated in one process: as on the disk.
     shards = f"{out}/r/checkpoints/step_000004-epoch_00"

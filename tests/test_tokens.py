@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from itertools import islice
 from pathlib import Path
@@ -365,10 +366,11 @@ def test_a_resume_onto_another_world_size_serves_the_uninterrupted_order(tmp_pat
     assert served(second) == order[32:]
 
 
-def peak_rss_anon_of_ranks(overrides: list[str], run_dir: Path) -> list[int]:
+def peak_rss_anon_of_ranks(overrides: list[str], run_dir: Path, env: dict | None = None
+                           ) -> list[int]:
     """Run 2 ranks and sample each rank's RssAnon while it runs: the peak of each rank (the
     agent's two children; which is rank 0 does not matter here)."""
-    proc = start(run_dir, overrides, nproc=2)
+    proc = start(run_dir, overrides, nproc=2, env=env)
     peaks: dict[int, int] = {}
     ranks: list[int] = []  # the agent's children, once seen (a rank keeps its process to the end)
     while proc.poll() is None:
@@ -415,6 +417,40 @@ def test_rank_memory_does_not_grow_with_the_corpus(tmp_path, source) -> None:
         peaks[size] = peak_rss_anon_of_ranks(overrides, tmp_path / "runs" / f"{source}{size}")
     grown = [big - small for big, small in zip(peaks[4 << 30], peaks[40 << 20], strict=True)]
     assert max(grown) <= 64 * MiB, [g / MiB for g in grown]
+
+
+@pytest.mark.slow
+def test_rank_memory_does_not_grow_with_a_corpus_in_the_store(s3, tmp_path) -> None:
+    """Token files in an object store, 8 MB and 128 MB of them: read from the node's copy (one
+    rank fetches it while the other waits) and by ranged requests (data.tokens.cache_gib=0),
+    each rank's anonymous memory stays within 64 MiB of the small corpus's. (The ranged corpus
+    is 16 shards: the test server reads a whole object to serve a range of it.)"""
+    from dtrain.data import node_copy
+
+    fs, bucket = s3.fs(), s3.bucket()
+    val = token_folder(tmp_path / "val") / "val.bin"
+    meta = json.dumps({"dtype": "uint16", "vocab_size": VOCAB}).encode()
+    peaks = {}
+    for where, shards, cache in (("small", {"train.bin": 8}, 16), ("big", {"train.bin": 128}, 16),
+                                 ("ranged", {f"train_{i:03d}.bin": 8 for i in range(16)}, 0)):
+        url = f"s3://{bucket}/{where}"
+        for name, mb in shards.items():
+            fs.put(str(sparse(tmp_path / where / name, mb << 20)), f"{url}/{name}")
+        fs.put(str(val), f"{url}/val.bin")
+        fs.pipe(f"{url}/meta.json", meta)
+        copy = Path(node_copy.folder_for(url))
+        overrides = [*LM, "data.name=tokens", f"data.root={url}", f"data.tokens.cache_gib={cache}",
+                     "train.max_steps=20"]
+        try:
+            peaks[where] = peak_rss_anon_of_ranks(overrides, tmp_path / "runs" / where,
+                                                  env=s3.env)
+            copied = {f.name: f.stat().st_size for f in copy.glob("train*.bin")}
+            assert copied == ({n: mb << 20 for n, mb in shards.items()} if cache else {})
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+    for where in ("big", "ranged"):
+        grown = [big - small for big, small in zip(peaks[where], peaks["small"], strict=True)]
+        assert max(grown) <= 64 * MiB, (where, [g / MiB for g in grown])
 
 
 # ---------------------------------------------------------------------------------------------

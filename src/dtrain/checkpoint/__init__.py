@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -130,6 +131,8 @@ class Checkpointer:
         # the first step of a fresh start.)
         self._shapes = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
         self._full_data: dict[str, Any] | None = None
+        # This node's copy of a store's checkpoint, to resume (by host: nodes may share a disk).
+        self._fetched = os.path.join(store.dir, f"{FETCHED_PREFIX}{socket.gethostname()}")
         if dist.is_main():
             store.prepare()
         dist.barrier()
@@ -413,19 +416,20 @@ class Checkpointer:
         problem = None
         try:
             self._load(path)
-        except ConfigChanged:
+        except ConfigChanged:  # on every rank alike
+            shutil.rmtree(self._fetched, ignore_errors=True)
             raise
         except UserError as e:
             problem = str(e).removeprefix("checkpoint error: ")
         if dist.any_rank(problem is not None, self.device) and problem is None:
             problem = f"{path} failed to load on another rank"
+        shutil.rmtree(self._fetched, ignore_errors=True)  # every rank is done with it now
         return problem
 
     def _load(self, path: str) -> None:
         """Read the checkpoint, check it against the model and the config, then apply it. One
-        in an object store is read from a local copy, removed once it was applied."""
-        into = os.path.join(self.store.dir, f"{FETCHED_PREFIX}{dist.rank()}")
-        local = local_folder(path, into, self.store.options)
+        in an object store is read from its node's copy, removed once every rank applied it."""
+        local = local_folder(path, self._fetched, self.store.options)
         shown = path.rstrip("/") if is_url(path) else None
 
         def read() -> tuple[str, str, dict[str, Any]]:
@@ -461,8 +465,6 @@ class Checkpointer:
             raise
         finally:
             self._full_data = None
-            if shown:
-                shutil.rmtree(into, ignore_errors=True)
         self._restore_meta(meta, shown or folder)
 
     def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:

@@ -27,6 +27,8 @@ __all__ = ["ObjectStore", "PreconditionFailed", "StreamingUpload", "is_url", "jo
 # 503 "SlowDown" is retried with backoff (botocore's standard retry mode).
 _DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 60,
                    "retries": {"max_attempts": 6, "mode": "standard"}}  # fmt: skip
+PART = 8 * 2**20  # the size of an upload's and a download's parts
+DOWNLOADS = 2  # a download's parts in flight at once: at most 16 MiB of it in memory
 
 
 class PreconditionFailed(Exception):
@@ -141,8 +143,10 @@ class ObjectStore:
         )
 
     def get(self, rel: str, local: str) -> None:
+        """Download the object to the file `local`, in ranged parts, a few at a time: s3fs's
+        default (10 parts of 50 MiB at once) holds up to 500 MiB of it in memory."""
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-        self.fs.get_file(self.path(rel), local)
+        self.fs.get_file(self.path(rel), local, chunksize=PART, max_concurrency=DOWNLOADS)
 
     def get_tree(self, rel: str, local: str) -> dict[str, int]:
         """Download every object below `rel` into the folder `local`; returns what it fetched."""
@@ -243,7 +247,6 @@ class StreamingUpload:
     with the writing best: bench/objstore_io.py), growing every 1,000 parts (S3 takes at most
     10,000): about 440 GB at most."""
 
-    PART = 8 * 2**20
     IN_FLIGHT = 2
 
     def __init__(self, objects: ObjectStore, rel: str) -> None:
@@ -293,7 +296,7 @@ class StreamingUpload:
                 log.debug(f"object store: could not abort the upload of {self.key}: {e!r}")
 
     def _part_bytes(self) -> int:
-        return self.PART * (1 + (len(self.parts) + len(self.pending)) // 1000)
+        return PART * (1 + (len(self.parts) + len(self.pending)) // 1000)
 
     def _send(self, body: bytes) -> None:
         import asyncio

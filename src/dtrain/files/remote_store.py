@@ -16,6 +16,7 @@ Order, rotation and the best checkpoint follow the markers' save numbers, as on 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import shutil
@@ -196,38 +197,55 @@ def fetch_checkpoint(
     `into`: its marker and, when `reads(marker)` (this process reads the files of a checkpoint
     of that format), every file the marker lists, each checked for its size here and for its
     content digest as it is read (an ETag is not a digest of what dtrain wrote). A copy already
-    there with the same marker and sizes is used as it is."""
+    there with the same marker and sizes is used as it is: the processes of a node that share
+    `into` fetch it once between them (the first, under a lock; the others wait and use its
+    copy)."""
     folder = url.rstrip("/")
     if folder.endswith(".pt"):
         folder = folder.rsplit("/", 1)[0]
     objects = ObjectStore(folder, options)
+    os.makedirs(into, exist_ok=True)
     try:
-        data = objects.cat(MARKER)
-        if data is None:
-            if objects.files():
-                raise UserError(
-                    f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)"
-                )
-            raise UserError(f"checkpoint error: {url} not found")
-        marker = parse_marker(data)
-        if marker is None:
-            raise UserError(
-                f"checkpoint error: {folder}/{MARKER} is damaged or not a dtrain marker; name "
-                f"another checkpoint"
+        with open(os.path.join(into, ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _fetch_once(
+                objects, folder, url, os.path.join(into, os.path.basename(folder)), reads
             )
-        local = os.path.join(into, os.path.basename(folder))
-        if _same_copy(local, data, marker):
-            return local
-        shutil.rmtree(local, ignore_errors=True)
-        for rel in marker.get("files", {}) if reads(marker) else {}:
-            objects.get(rel, os.path.join(local, rel))
-        os.makedirs(local, exist_ok=True)
-        with open(os.path.join(local, MARKER), "wb") as f:
-            f.write(data)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the store's failure as one line
         raise objects.error(e, "read") from None
+
+
+def _fetch_once(
+    objects: ObjectStore,
+    folder: str,
+    url: str,
+    local: str,
+    reads: Callable[[dict[str, Any]], bool],
+) -> str:
+    data = objects.cat(MARKER)
+    if data is None:
+        if objects.files():
+            raise UserError(f"checkpoint error: {folder} has no {MARKER} marker (incomplete save)")
+        raise UserError(f"checkpoint error: {url} not found")
+    marker = parse_marker(data)
+    if marker is None:
+        raise UserError(
+            f"checkpoint error: {folder}/{MARKER} is damaged or not a dtrain marker; name "
+            f"another checkpoint"
+        )
+    if _same_copy(local, data, marker):
+        return local
+    shutil.rmtree(local, ignore_errors=True)
+    files = marker.get("files", {}) if reads(marker) else {}
+    for rel in files:
+        objects.get(rel, os.path.join(local, rel))
+    os.makedirs(local, exist_ok=True)
+    with open(os.path.join(local, MARKER), "wb") as f:
+        f.write(data)
+    if files:
+        log.info(f"fetched {folder} ({len(files)} files, {sum(files.values()):,} bytes)")
     return local
 
 
