@@ -1,4 +1,4 @@
-"""Single-process launches (and torchrun's agent) forked from a warm interpreter.
+"""Single-process launches, torchrun's agent and its ranks forked from a warm interpreter.
 
 Importing torch and its compiler stack costs each fresh Python about 5-7 CPU seconds here, most
 of a tiny run's cost. This module keeps, per pytest worker, one server process that has imported
@@ -7,7 +7,8 @@ argv, environment, working directory and standard files as a fresh `python SCRIP
 MODULE` would have them, runs the program as `__main__`, and exits the way Python exits
 (non-daemon threads joined, atexit handlers run, the exit code of SystemExit, a traceback and 1
 for an exception). Each launch is still a process of its own: its pid can be signalled and
-killed with all it started, and its exit code is what waitpid reports.
+killed with all it started, and its exit code is what waitpid reports. A forked torchrun agent
+forks its ranks from itself (`_fork_ranks`), so that they stay its children.
 
 What a fork does not reproduce, and where a launch gets a fresh interpreter instead
 (`subprocess.Popen`):
