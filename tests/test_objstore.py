@@ -368,7 +368,9 @@ def test_a_store_lost_during_saves_costs_those_saves_only(s3, tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
-    assert proxy.slowed_down == 1 and "SlowDown" not in output and "503" not in output
+    # The store's 503 was retried unseen (step lines are left out: their figures may read 503).
+    said = "\n".join(line for line in output.splitlines() if " | loss " not in line)
+    assert proxy.slowed_down == 1 and "SlowDown" not in said and "503" not in said
     failed = [line for line in output.splitlines() if "the next save tries again" in line]
     assert failed and all("checkpoint error: cannot write step_" in line for line in failed)
     assert "Traceback" not in output
