@@ -26,7 +26,8 @@ def test_every_entry_names_a_builder_that_exists(table) -> None:
 
 @pytest.mark.parametrize("key,name,message", [
     ("model.name", "resnet", "config error: model.name: unknown model 'resnet'; use one of "
-                             "simple_cnn, resnet_small, transformer, gpt, tv:NAME or module:function "
+                             "simple_cnn, resnet_small, transformer, gpt, tv:NAME, hf:PATH, "
+                             "hf-config:PATH or module:function "
                              "(did you mean 'resnet_small'?)"),
     ("data.name", "cifar", "config error: data.name: unknown dataset 'cifar'; use one of synthetic, "
                            "cifar10, mnist, fashion_mnist, imagefolder, text, tokens, hf or module:function "

@@ -162,7 +162,11 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
     tokenizer.add_argument(
         "--vocab-size", type=int, metavar="N", help="train a byte-level BPE of N tokens"
     )
-    tokenizer.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json")
+    tokenizer.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="use this tokenizer.json, or a model's folder with one (its own tokenizer)",
+    )
     held_out = p.add_mutually_exclusive_group()
     held_out.add_argument(
         "--val-fraction",
@@ -183,8 +187,8 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eot",
         metavar="TOKEN",
-        help="the end-of-text token (default <|endoftext|>; for --tokenizer, the first it "
-        "has of <|endoftext|>, <|end_of_text|>, </s>, <eos>)",
+        help="the end-of-text token (default <|endoftext|>; for --tokenizer, a folder's "
+        "eos_token, else the first it has of <|endoftext|>, <|end_of_text|>, </s>, <eos>)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace the shards already in --out")
 
@@ -295,13 +299,17 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint folder or file")
     p.add_argument(
-        "--out", metavar="PATH", required=True, help="the file (safetensors: or its folder)"
+        "--out",
+        metavar="PATH",
+        required=True,
+        help="the file (safetensors: or its folder; hf: a new folder)",
     )
     p.add_argument(
         "--format",
-        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors"),
+        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf"),
         default="state_dict",
-        help="onnx and safetensors need the 'export' extra (default state_dict)",
+        help="onnx and safetensors need the 'export' extra, hf (a Hugging Face model's folder) "
+        "the 'transformers' extra (default state_dict)",
     )
     p.add_argument("--weights", choices=("model", "ema"), default="model")
     p.add_argument(

@@ -34,6 +34,7 @@ class Entry:
     # datasets, their lengths and `info` (the builder's arguments; none: the builder itself, for
     # a user's datasets); optimizers, their state per parameter (called with the optim config).
     sizes: str = ""
+    free: str = "NAME"  # a prefix's entry: what follows the prefix, for messages (`tv:NAME`)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Table:
 
     def forms(self) -> list[str]:
         """What the key accepts, for messages and listings: names, prefixed forms, user paths."""
-        return [*self.entries, *(f"{p}NAME" for p in self.prefixes), USER_PATH]
+        return [*self.entries, *(f"{p}{e.free}" for p, e in self.prefixes.items()), USER_PATH]
 
     def entry(self, name: str) -> Entry:
         """The entry that builds `name`, or a one-line UserError saying what would do."""
@@ -98,7 +99,17 @@ MODELS = Table(
         "transformer": Entry("dtrain.models:build_transformer", "a small vision transformer"),
         "gpt": Entry("dtrain.models:build_gpt", "a decoder-only language model"),
     },
-    prefixes={"tv:": Entry("dtrain.models:build_torchvision", "a torchvision classifier")},
+    prefixes={
+        "tv:": Entry("dtrain.models:build_torchvision", "a torchvision classifier"),
+        "hf:": Entry(
+            "dtrain.models.hf:build", "a Hugging Face model folder (or cached id)", free="PATH"
+        ),
+        "hf-config:": Entry(
+            "dtrain.models.hf:build_from_config",
+            "a Hugging Face architecture, fresh weights",
+            free="PATH",
+        ),
+    },
     user=Entry("dtrain.models:build_user", "called with the model config"),
 )
 
@@ -217,7 +228,7 @@ def describe() -> list[str]:
     for table in TABLES:
         lines.append(f"{table.key}: {', '.join(table.forms())}")
         for name, entry in {**table.entries, **table.prefixes}.items():
-            shown = f"{name}NAME" if name in table.prefixes else name
+            shown = f"{name}{entry.free}" if name in table.prefixes else name
             lines.append(f"  {shown:<16} {entry.doc}")
         lines.append(f"  {USER_PATH:<16} {table.user.doc}")
     return lines

@@ -107,8 +107,9 @@ class FSDPConfig:
 
     wrap: str | list = option(
         "auto",
-        doc="`auto` (each block of the model's sequential stages) or a list of module "
-        "class names, each instance its own unit",
+        doc="`auto` (a Hugging Face model's own blocks, its `_no_split_modules`; else each "
+        "block of the model's sequential stages) or a list of module class names, each "
+        "instance its own unit",
     )
     reshard_after_forward: bool = option(
         True, doc="false keeps parameters gathered between forward and backward"
@@ -160,11 +161,16 @@ class ModelConfig:
 
     name: str = option(
         "simple_cnn",
-        doc="a built-in model, `tv:NAME` (a torchvision classifier), or a user's "
-        "`module:function` called with this config",
+        doc="a built-in model, `tv:NAME` (a torchvision classifier), `hf:PATH` (a Hugging "
+        "Face model folder or cached model id, with its weights), `hf-config:PATH` (its "
+        "architecture, fresh weights), or a user's `module:function` called with this config",
     )
     num_classes: int | None = option(None, check=AT_LEAST_ONE, doc="default: from the dataset")
-    args: dict = option({}, doc="keyword arguments for the model builder, e.g. `{width: 32}`")
+    args: dict = option(
+        {},
+        doc="keyword arguments for the model builder, e.g. `{width: 32}`; for `hf:` models, "
+        "fields of its config.json to override",
+    )
     activation_checkpointing: bool = option(
         False, doc="recompute each block's activations in backward"
     )

@@ -82,7 +82,10 @@ def output_error(command: str, where: str, error: OSError) -> UserError:
 
 
 def _flush(path: str) -> None:
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # an output that is a folder of files (a Hugging Face model's)
+        for name in os.listdir(path):
+            _flush(os.path.join(path, name))
+        fsync_dir(path)
         return
     with open(path, "rb+") as f:
         os.fsync(f.fileno())

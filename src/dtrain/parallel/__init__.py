@@ -31,7 +31,8 @@ NOTHING = contextlib.nullcontext()
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
-    """The model's repeated blocks: modules of the named classes, or with `None` ('auto') each
+    """The model's repeated blocks: modules of the named classes, or with `None` ('auto') those
+    of the classes a Hugging Face model names as its blocks (`_no_split_modules`), else each
     child with parameters of the model's sequential stages (Sequential / ModuleList) that is itself
     made of layers. Blocks are never nested in each other."""
     blocks: list[nn.Module] = []
@@ -41,6 +42,8 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
         blocks.append(module)
         inside.update(id(m) for m in module.modules())
 
+    if class_names is None and own_block_classes(model):
+        class_names = own_block_classes(model)
     if class_names is not None:
         wanted = set(class_names)
         for module in model.modules():
@@ -68,6 +71,23 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
             for child in composite:
                 mark(child)
     return blocks
+
+
+def own_block_classes(model: nn.Module) -> list[str]:
+    """The block classes a Hugging Face model declares (`_no_split_modules`) that it has."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    return sorted(declared & {type(m).__name__ for m in model.modules()})
+
+
+def describe_blocks(blocks: list[nn.Module], model: nn.Module) -> str:
+    """For the banner: what FSDP shards as units."""
+    counts: dict[str, int] = {}
+    for block in blocks:
+        if block is not model:
+            counts[type(block).__name__] = counts.get(type(block).__name__, 0) + 1
+    units = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+    why = " (the model's _no_split_modules)" if own_block_classes(model) else ""
+    return f"FSDP units: {units}{why}, then the root"
 
 
 def _checkpoint_activations(block: nn.Module) -> None:
@@ -198,13 +218,11 @@ def build(
             f"({e}); building it whole on every rank, then sharding it"
         )
         model = construct()
-        return (
-            wrap(model, cfg, layout, precision),
-            _count(model),
-            [f"model built whole on every rank, then sharded ({e})", *notes],
-        )
+        count = _count(model)
+        wrapped = wrap(model, cfg, layout, precision, notes=notes)
+        return wrapped, count, [f"model built whole on every rank, then sharded ({e})", *notes]
     count = _count(model)
-    wrapped = wrap(model, cfg, layout, precision, on_meta=True)
+    wrapped = wrap(model, cfg, layout, precision, on_meta=True, notes=notes)
     wrapped.to_empty(device=layout.device)
     sharded_init.materialize(wrapped, params, buffers)
     return (
@@ -223,10 +241,16 @@ def _count(model: nn.Module) -> int:
 
 
 def wrap(
-    model: nn.Module, cfg: Config, layout: Layout, precision: Precision, on_meta: bool = False
+    model: nn.Module,
+    cfg: Config,
+    layout: Layout,
+    precision: Precision,
+    on_meta: bool = False,
+    notes: list[str] | None = None,
 ) -> nn.Module:
     """Move the model to the device (unless it is on the meta device, to be materialised after
-    sharding) and apply the per-block features and the parallel mode."""
+    sharding) and apply the per-block features and the parallel mode; under FSDP, say in `notes`
+    what it shards as units."""
     if not on_meta:
         model.to(layout.device)
     if cfg.model.channels_last:
@@ -264,6 +288,8 @@ def wrap(
             gradient_as_bucket_view=ddp.gradient_as_bucket_view,
             **buffer_option,
         )
+    if notes is not None:
+        notes.append(describe_blocks(blocks, model))
     return _fully_shard(model, blocks, cfg, layout, precision)
 
 

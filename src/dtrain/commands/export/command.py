@@ -31,7 +31,7 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
 
-FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors")
+FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf")
 WEIGHTS = ("model", "ema")
 # Uploaded last, after the files beside them (safetensors' config): an export interrupted in the
 # upload has no new weights beside an old config.
@@ -186,6 +186,8 @@ def _required(fmt: str) -> None:
     needs = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "safetensors": ("safetensors",)}
     for module in needs.get(fmt, ()):
         require(module, "export", f"dtrain export --format {fmt} ({module})")
+    if fmt == "hf":
+        require("transformers", "transformers", "dtrain export --format hf")
 
 
 def export(
@@ -208,7 +210,12 @@ def export(
             f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"
         )
-    if fmt != "safetensors" and os.path.isdir(out):
+    if fmt == "hf" and (os.path.isfile(out) or os.path.isdir(out) and os.listdir(out)):
+        raise UserError(
+            f"export error: --out {out} already exists; --format hf writes a new folder: name "
+            f"one that is not there (or empty)"
+        )
+    if fmt not in ("safetensors", "hf") and os.path.isdir(out):
         raise UserError(f"export error: --out {out} is a directory; name the file to write")
     model, meta = load_model(path, weights)
     shown = shown or path
@@ -250,6 +257,11 @@ def _write(
         from dtrain.commands.export import safetensors_file as export_safetensors
 
         return export_safetensors.export(model, meta, what, out, weights)
+    if fmt == "hf":
+        from dtrain.commands.export import hf_folder
+
+        hf_folder.check_model(meta)
+        return hf_folder.export(model, meta, what, out, example_input(meta))
     return _export_torch(model, meta, what, out, fmt)
 
 

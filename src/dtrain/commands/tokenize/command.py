@@ -1,10 +1,11 @@
 """`dtrain tokenize`: text into token shards that `data.name: tokens` reads.
 
-    dtrain tokenize INPUT... --out DIR (--vocab-size N | --tokenizer tokenizer.json)
+    dtrain tokenize INPUT... --out DIR (--vocab-size N | --tokenizer tokenizer.json|MODEL_DIR)
     dtrain tokenize --corpus python_docs --out DIR --vocab-size N
 
 With `--vocab-size`, a byte-level BPE (Hugging Face `tokenizers`) is trained on the training
-inputs; with `--tokenizer`, an existing `tokenizer.json` is used. Each document is encoded as it
+inputs; with `--tokenizer`, an existing `tokenizer.json` is used (a model folder's: the model's
+own tokenizer, its `eos_token` ending each document). Each document is encoded as it
 is (no added prefix space, no special tokens of the tokenizer's own) and followed by the
 end-of-text token. What DIR then holds:
 
@@ -53,6 +54,7 @@ EOT = "<|endoftext|>"
 # The end-of-text tokens of common tokenizers (GPT-2 and most BPEs, Llama 3, Llama 2 and
 # Mistral, Gemma), looked for in that order in a given tokenizer.json.
 EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+TOKENIZER_FILE = "tokenizer.json"
 UINT16_VOCAB = 1 << 16
 BATCH_BYTES_PER_THREAD = 256 << 10
 
@@ -78,8 +80,18 @@ def use_workers(workers: int | None) -> None:
 
 
 def load_tokenizer(path: str, eot: str | None) -> tuple[Any, str]:
-    """A tokenizer.json and its end-of-text token (--eot, or the first of EOT_NAMES in it)."""
+    """A tokenizer.json (or a model folder's: the model's own tokenizer) and its end-of-text
+    token: --eot, else a folder's `eos_token` (tokenizer_config.json), else the first of
+    EOT_NAMES in it."""
     tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
+    if os.path.isdir(path):
+        eot = eot or _eos_token(path)
+        folder, path = path, os.path.join(path, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise UserError(
+                f"input error: --tokenizer: {folder} has no {TOKENIZER_FILE} (a fast "
+                f"tokenizer's file: save the tokenizer with save_pretrained, or name the file)"
+            )
     if not os.path.isfile(path):
         raise UserError(f"input error: --tokenizer: '{path}' not found")
     try:
@@ -95,6 +107,18 @@ def load_tokenizer(path: str, eot: str | None) -> tuple[Any, str]:
             f"name the tokenizer's with --eot"
         )
     return tokenizer, found
+
+
+def _eos_token(folder: str) -> str | None:
+    """The end-of-sequence token a model folder's tokenizer_config.json names, if any."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 # The largest vocabulary trained here. The BPE trainer sizes its tables by it before it reads
@@ -193,6 +217,8 @@ def tokenize(
     if tokenizer_path is not None:
         tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
         made_by = os.path.abspath(tokenizer_path)
+        if os.path.isdir(tokenizer_path):
+            tokenizer_path = os.path.join(tokenizer_path, TOKENIZER_FILE)
     else:
         assert vocab_size is not None
         eot_text = eot or EOT

@@ -1,0 +1,90 @@
+"""`dtrain export --format hf --out DIR`: a model trained from `hf:PATH` (or `hf-config:PATH`)
+as a Hugging Face folder that `AutoModelFor...from_pretrained(DIR)` and serving tools load:
+`config.json` (the source's, with the run's `model.args` applied), the weights as safetensors
+(sharded past `SHARD_SIZE`, with `model.safetensors.index.json`), `generation_config.json` when
+the model has one, and the source folder's tokenizer files. After writing, the folder is loaded
+back with transformers and its logits on a batch are compared with the checkpoint's model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import config
+from dtrain.commands.export.check import TOLERANCE, difference, report
+from dtrain.core.errors import UserError
+from dtrain.models import hf
+
+SHARD_SIZE = "2GB"  # transformers' own default: each safetensors file at most this much
+# What a tokenizer is made of, across tokenizer classes: copied from the source folder if there.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def check_model(meta: dict) -> None:
+    """Only a Hugging Face model has a Hugging Face folder: one line for any other."""
+    name = config.from_dict(meta["config"]).model.name
+    if not name.startswith(hf.PREFIXES):
+        raise UserError(
+            f"export error: --format hf writes Hugging Face models (model.name: hf:PATH or "
+            f"hf-config:PATH); this checkpoint's model is {name}: use --format safetensors"
+        )
+
+
+def export(
+    module: nn.Module,
+    meta: dict,
+    path: str,
+    out: str,
+    example: object,
+    shard_size: str = SHARD_SIZE,
+) -> tuple[float, str]:
+    """Write the folder `out` (a new one), load it back as a user would, compare the logits."""
+    model: Any = module  # a transformers PreTrainedModel (hf.build's)
+    cfg = config.from_dict(meta["config"])
+    source = hf.resolve(cfg.model.name)
+    saved_config = type(model.config).from_pretrained(source)
+    if hasattr(saved_config, "use_cache"):  # off while training; as the source has it for use
+        model.config.use_cache = saved_config.use_cache
+    model.save_pretrained(out, max_shard_size=shard_size)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    transformers = hf.library("dtrain export --format hf")
+    reloaded = getattr(transformers, type(model).__name__).from_pretrained(
+        out, local_files_only=True
+    )
+    reloaded.eval()
+    if example is None:  # the task makes no batch: the weights, by name
+        ours, theirs = model.state_dict(), reloaded.state_dict()
+        found = difference([ours[k] for k in ours], [theirs.get(k) for k in ours])
+    else:
+        with torch.no_grad():
+            found = difference(model(example).logits, reloaded(example).logits)
+    if not found <= TOLERANCE:
+        shutil.rmtree(out, ignore_errors=True)
+    what = "config.json, safetensors" + (", the tokenizer" if copied else ", no tokenizer files")
+    return report(
+        path,
+        out,
+        f"Hugging Face folder: {what}",
+        found,
+        "outputs" if example is not None else "weights",
+    )

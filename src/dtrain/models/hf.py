@@ -1,0 +1,189 @@
+"""Hugging Face models by path: `model.name: hf:PATH` (the folder's architecture and weights) and
+`hf-config:PATH` (its architecture from `config.json`, with fresh weights: pretraining).
+
+PATH is a local folder with `config.json` (and, for `hf:`, safetensors weights: one file, or
+shards with their index), or a model id found in the local Hugging Face cache: nothing is ever
+downloaded. The head is the config's `architectures` (a causal LM, a sequence or an image
+classifier; `model.num_classes` sets a classifier's labels); `model.args` overrides fields of the
+config. Weights load in float32 (the run's precision is applied to them as to any model).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.config import ModelConfig
+from dtrain.core.errors import UserError
+from dtrain.core.imports import require
+
+PREFIXES = ("hf:", "hf-config:")
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """`hf:PATH`: the model with the folder's weights."""
+    folder = resolve(cfg.name)
+    cls, config = _class_and_config(cfg, info, folder)
+    check_weights(cfg.name, folder)
+    saved_labels = getattr(cls.config_class.from_pretrained(folder), "num_labels", None)
+    return cls.from_pretrained(
+        folder,
+        config=config,
+        dtype=torch.float32,
+        local_files_only=True,
+        # A classifier for other classes than the folder's: its head starts afresh.
+        ignore_mismatched_sizes=getattr(config, "num_labels", None) != saved_labels,
+    )
+
+
+def build_from_config(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """`hf-config:PATH`: the folder's architecture with fresh weights (seeded by run.seed)."""
+    folder = resolve(cfg.name)
+    cls, config = _class_and_config(cfg, info, folder)
+    return cls(config).to(torch.float32)
+
+
+def resolve(name: str) -> str:
+    """The local folder that `hf:PATH` names: PATH itself, or the cached snapshot of the model
+    id PATH (offline). One line naming where it was looked for when neither has it."""
+    path = name.split(":", 1)[1]
+    if os.path.isdir(path):
+        folder = path
+    elif path.startswith(("/", ".", "~")) or path.count("/") > 1:  # a path, not a model id
+        raise UserError(f"config error: model.name: {name}: no folder {path!r}")
+    else:
+        hub = require("huggingface_hub", "transformers", f"model.name: {name}")
+        try:
+            folder = hub.snapshot_download(path, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache (or not a model id at all)
+            raise UserError(
+                f"config error: model.name: {name}: no folder {path!r}, and no model {path!r} "
+                f"in the Hugging Face cache ({hub.constants.HF_HUB_CACHE}); name a folder with "
+                f"{CONFIG_FILE}, or download the model into the cache first (nothing is "
+                f"downloaded at run time)"
+            ) from None
+    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
+        raise UserError(
+            f"config error: model.name: {name}: {folder} has no {CONFIG_FILE}; name the folder "
+            f"that save_pretrained wrote"
+        )
+    return folder
+
+
+def library(feature: str = "a Hugging Face model") -> Any:
+    """transformers, imported; one line naming the extra when it is not installed."""
+    return require("transformers", "transformers", feature)
+
+
+def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tuple[Any, Any]:
+    """The model class the config's `architectures` names and the config, with model.args and
+    model.num_classes applied and checked against the data."""
+    transformers = library(f"model.name: {cfg.name}")
+    transformers.logging.disable_progress_bar()  # a bar per load, drawn by every rank
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise UserError(
+            f"config error: model.name: {cfg.name}: {folder}/{CONFIG_FILE} cannot be read "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    for key, value in cfg.args.items():
+        if not hasattr(config, key):
+            close = difflib.get_close_matches(key, list(config.to_dict()), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(
+                f"config error: model.args.{key}: {type(config).__name__} has no such field{hint}"
+            )
+        setattr(config, key, value)
+    architectures = getattr(config, "architectures", None) or []
+    if len(architectures) != 1:
+        raise UserError(
+            f"config error: model.name: {cfg.name}: {CONFIG_FILE} names "
+            f"{len(architectures)} architectures, not one; set model.args.architectures, "
+            f"e.g. [LlamaForCausalLM]"
+        )
+    cls = getattr(transformers, architectures[0], None)
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise UserError(
+            f"config error: model.name: {cfg.name}: transformers "
+            f"{transformers.__version__} has no model class {architectures[0]!r} (the "
+            f"architecture {CONFIG_FILE} names)"
+        )
+    if "ForSequenceClassification" in cls.__name__ or "ForImageClassification" in cls.__name__:
+        num_classes = cfg.num_classes or info.get("num_classes")
+        if num_classes:
+            config.num_labels = num_classes
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # a cache of keys and values serves generation, not training
+    window, positions = info.get("seq_len"), getattr(config, "max_position_embeddings", None)
+    if window and positions and window > positions:
+        raise UserError(
+            f"config error: model.name: {cfg.name}: the data's windows ({window} tokens) are "
+            f"longer than the model's max_position_embeddings ({positions}); set the data's "
+            f"seq_len (data.tokens.seq_len, data.text.seq_len) to at most {positions}"
+        )
+    vocab, data_vocab = getattr(config, "vocab_size", None), info.get("vocab_size")
+    if vocab and data_vocab and data_vocab > vocab:
+        raise UserError(
+            f"config error: model.name: {cfg.name}: the model's vocabulary has {vocab} ids, the "
+            f"data's {data_vocab}; encode the data with the model's own tokenizer "
+            f"(dtrain tokenize --tokenizer {folder})"
+        )
+    return cls, config
+
+
+def check_weights(name: str, folder: str) -> None:
+    """The folder's safetensors files are there and whole (each at least as long as its header
+    says): a truncated download is one line naming the file, before anything is loaded."""
+    index = os.path.join(folder, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise UserError(
+                f"config error: model.name: {name}: {index} is not a safetensors index"
+            ) from None
+    elif os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+        files = [WEIGHTS_FILE]
+    else:
+        raise UserError(
+            f"config error: model.name: {name}: {folder} has no {WEIGHTS_FILE} or "
+            f"{WEIGHTS_INDEX}; save the model with save_pretrained (safetensors), or use "
+            f"hf-config:{name.split(':', 1)[1]} to start from fresh weights"
+        )
+    for file in files:
+        path = os.path.join(folder, file)
+        problem = _safetensors_problem(path)
+        if problem:
+            raise UserError(f"config error: model.name: {name}: {path} {problem}")
+
+
+def _safetensors_problem(path: str) -> str:
+    """Why the safetensors file at `path` cannot be whole, or ''. Its first 8 bytes give the
+    header's length; the header gives each tensor's byte range in the data after it."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                return "is truncated (its header runs past the end): download it again"
+            header = json.loads(f.read(length))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except FileNotFoundError:
+        return "is missing (the index lists it): download the model again"
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return "is not a safetensors file (damaged, or not written by save_pretrained)"
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        return f"is truncated ({size:,} bytes of {needed:,}): download it again"
+    return ""
