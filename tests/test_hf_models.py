@@ -289,3 +289,37 @@ def test_tokenize_with_a_models_tokenizer_gives_its_own_ids_and_eos(tmp_path):
         f"dtrain: input error: --tokenizer: {folder} has no tokenizer.json (a fast tokenizer's "
         f"file: save the tokenizer with save_pretrained, or name the file)")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.slow
+def test_the_shipped_fine_tune_config_runs_as_its_comment_says(tmp_path):
+    """configs/hf_finetune.yaml's commands, a few steps each: tokens of the built-in corpus, a
+    small Llama pretrained from configs/hf/tiny-llama and exported as a Hugging Face folder,
+    then fine-tuned from that folder under FSDP on 2 ranks, starting where the base ended."""
+    from conftest import REPO, dtrain
+    config = str(REPO / "configs" / "hf_finetune.yaml")
+    tokens = dtrain("tokenize", "--corpus", "python_docs", "--out", str(tmp_path / "tokens"),
+                    "--vocab-size", "2048")
+    assert tokens.returncode == 0, tokens.stderr[-2000:]
+    steps = ["train.max_steps=4", f"data.root={tmp_path / 'tokens'}", "train.log_every=1",
+             "train.eval_every_steps=4"]
+    base = launch(tmp_path / "runs" / "tiny-llama-base", [
+        *steps, f"model.name=hf-config:{REPO / 'configs' / 'hf' / 'tiny-llama'}",
+        "train.max_steps=12", "sched.warmup_steps=0", "optim.lr=3e-3"],
+        nproc=2, config=config, tiny=False)
+    assert base.returncode == 0, base.stderr[-3000:]
+    model = tmp_path / "models" / "tiny-llama"
+    exported = dtrain("export", "--run-dir", str(base.run_dir), "--format", "hf", "--out",
+                      str(model))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    tuned = launch(tmp_path / "runs" / "tiny-llama-tuned", [*steps, f"model.name=hf:{model}"],
+                   nproc=2, config=config, tiny=False)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "FSDP units: 4 LlamaDecoderLayer (the model's _no_split_modules)" in tuned.stderr
+    base_val = [r["val_loss"] for r in base.records() if "val_loss" in r][-1]
+    first_val = [r["val_loss"] for r in tuned.records() if "val_loss" in r]
+    assert len(tuned.losses()) == 4 and first_val
+    # The fine-tune starts from the base's trained weights: its first loss is near the base's
+    # last evaluation, far below a fresh model's first loss (the base's).
+    fresh, start = base.losses()[1], tuned.losses()[1]
+    assert abs(start - base_val) < 0.25 * (fresh - base_val), (fresh, base_val, start)
