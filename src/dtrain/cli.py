@@ -26,6 +26,14 @@ Handler = Callable[[argparse.Namespace], int]
 RUN_DIR_HELP = "the run directory (or DIR alone); --run is the same outside torchrun"
 
 
+# Said by the commands that read runs and checkpoints (and write outputs) where they lie.
+STORE_PATHS = (
+    "A run directory, checkpoint or --out may be in an object store (s3://bucket/prefix, the "
+    "'s3' extra): the endpoint and credentials come from the environment as for every AWS "
+    "tool (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
+)
+
+
 def _train(args: argparse.Namespace) -> int:
     from dtrain import run
     from dtrain.core.errors import UserError
@@ -235,7 +243,11 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     commands: dict[str, tuple[argparse.ArgumentParser, Handler]] = {}
 
     def command(name: str, summary: str, handler: Handler) -> argparse.ArgumentParser:
-        parser = argparse.ArgumentParser(prog=f"dtrain {name}", description=summary)
+        parser = argparse.ArgumentParser(
+            prog=f"dtrain {name}",
+            description=summary,
+            epilog=STORE_PATHS if name in ("eval", "export", "verify", "runs", "convert") else None,
+        )
         commands[name] = (parser, handler)
         return parser
 

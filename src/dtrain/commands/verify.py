@@ -100,13 +100,11 @@ def _subfolders(path: str) -> list[str]:
 def remote_checkpoints_of(url: str) -> tuple[list[str], bool]:
     """`checkpoints_of` for a URL: a checkpoint, a run directory or its checkpoints/ folder."""
     objects = ObjectStore(url)
-    try:
+    with objects.failing_as("read"):
         if objects.cat(MARKER) is not None:
             return [objects.url], True
         below = objects if url.rstrip("/").endswith(CHECKPOINTS) else objects.child(CHECKPOINTS)
         folders = below.folders()
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
     if not folders and not objects.exists():
         raise UserError(f"verify error: {url} not found")
     return [below.url_of(n) for n in folders], False

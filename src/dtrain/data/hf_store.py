@@ -42,13 +42,9 @@ def node_copy_of(url: str) -> str:
     """This node's copy of the saved dataset at `url`: every file fetched unless the copy there
     is of the store's version; files the store no longer has removed."""
     objects = ObjectStore(url)
-    try:
+    with objects.failing_as("read"):
         objects.check()
         listed = {n: v for n, v in objects.versions().items() if not n.startswith(".")}
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
     if not any(name in listed for name in SAVED):
         what = "no objects there" if not listed else f"no {' or '.join(SAVED)} at its top"
         raise UserError(

@@ -72,16 +72,12 @@ def listing(root: str) -> tuple[dict[str, int], bytes | None, dict[str, str]]:
     """The token folder in the store: its files' sizes by name, meta.json's bytes (None when
     there is none), and the files' versions (ETags). One line when the store cannot be read."""
     objects = ObjectStore(root)
-    try:
+    with objects.failing_as("read"):
         objects.check()
         found = {n: v for n, v in objects.versions().items() if "/" not in n}
         files = {n: size for n, (size, _) in found.items()}
         versions = {n: version for n, (_, version) in found.items()}
         meta = objects.cat("meta.json") if "meta.json" in files else None
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
     if not files:
         raise UserError(
             f"data error: token folder not found at '{root}': no objects there; set data.root "

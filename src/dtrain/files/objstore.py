@@ -12,8 +12,9 @@ every AWS tool reads them (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dtrain.core.errors import UserError, first_line
@@ -103,16 +104,7 @@ class ObjectStore:
 
     def files(self, rel: str = "") -> dict[str, int]:
         """Every object below `rel`, by its name relative to `rel`, with its size."""
-        base = self.path(rel)
-        try:
-            found = self.fs.find(base, detail=True, withdirs=False)
-        except FileNotFoundError:
-            return {}
-        return {
-            name[len(base) + 1 :]: int(info.get("size", 0))
-            for name, info in found.items()
-            if name.startswith(base + "/")
-        }
+        return {name: size for name, (size, _) in self.versions(rel).items()}
 
     def versions(self, rel: str = "") -> dict[str, tuple[int, str]]:
         """`files`, each with its version too: its ETag, which changes whenever the object is
@@ -211,6 +203,16 @@ class ObjectStore:
         self.fs.invalidate_cache()
 
     # -- errors --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def failing_as(self, doing: str) -> Iterator[None]:
+        """The store's failures in the block as `error`'s one line; a UserError as it is."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each cause becomes its one line
+            raise self.error(e, doing) from None
+
     def error(self, e: BaseException, doing: str) -> UserError:
         """What went wrong talking to the store, as one line naming the endpoint and bucket."""
         text = first_line(e)

@@ -33,11 +33,9 @@ def listing(run_url: str, options: dict[str, Any], into: str) -> RemoteStore:
 def checkpoints(store: RemoteStore, command: str, run_url: str) -> list[Entry]:
     """The run's complete checkpoints, newest first; one line when the store cannot be read or
     `run_url` is no run."""
-    try:
+    with store.objects.failing_as("read"):
         saved = store.complete()
         there = bool(saved) or store.objects.exists()
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise store.objects.error(e, "read") from None
     if not there:
         raise UserError(f"{command} error: {run_url}: no run there (nothing below it)")
     return saved
@@ -47,11 +45,9 @@ def marker_of(url: str, options: dict[str, Any], command: str) -> dict[str, Any]
     """The marker of the checkpoint at `url` (its folder or its checkpoint.pt), checked."""
     folder = checkpoint_folder(url)
     objects = ObjectStore(folder, options)
-    try:
+    with objects.failing_as("read"):
         data = objects.cat(MARKER)
         anything = data is not None or objects.exists()
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
     if data is None:
         if anything:
             raise UserError(
@@ -77,24 +73,21 @@ def checkpoint_folder(url: str) -> str:
 def fetch_file(url: str, rel: str, local: str, options: dict[str, Any], command: str) -> None:
     """The run's file `rel` (config.yaml) into `local`; one line when it is not there."""
     objects = ObjectStore(url, options)
-    try:
-        objects.get(rel, local)
-    except FileNotFoundError:
-        raise UserError(
-            f"{command} error: {url} has no {rel}; name the prefix of a dtrain run "
-            f"(run.out_dir/run.name)"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
+    with objects.failing_as("read"):
+        try:
+            objects.get(rel, local)
+        except FileNotFoundError:
+            raise UserError(
+                f"{command} error: {url} has no {rel}; name the prefix of a dtrain run "
+                f"(run.out_dir/run.name)"
+            ) from None
 
 
 def check_new(url: str, options: dict[str, Any], command: str, what: str) -> ObjectStore:
     """The store at `url`, which must hold nothing yet (`what`: an output never replaces)."""
     objects = ObjectStore(url, options)
-    try:
+    with objects.failing_as("reach"):
         taken = objects.exists()
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "reach") from None
     if taken:
         raise UserError(
             f"{command} error: --out {url} already exists in the store; {what}: name a new one"
@@ -106,15 +99,14 @@ def upload_file(local: str, url: str, options: dict[str, Any], command: str) -> 
     """The finished file `local` as the object `url`, written only if there is none there."""
     parent, name = url.rstrip("/").rsplit("/", 1)
     objects = ObjectStore(parent, options)
-    try:
-        objects.put(local, name, create=True)
-    except PreconditionFailed:
-        raise UserError(
-            f"{command} error: {url} appeared in the store while it was written; nothing was "
-            f"replaced: name a new one"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "write to") from None
+    with objects.failing_as("write to"):
+        try:
+            objects.put(local, name, create=True)
+        except PreconditionFailed:
+            raise UserError(
+                f"{command} error: {url} appeared in the store while it was written; nothing "
+                f"was replaced: name a new one"
+            ) from None
 
 
 def upload_folder(local: str, objects: ObjectStore, command: str) -> None:

@@ -205,16 +205,11 @@ def fetch_checkpoint(
         folder = folder.rsplit("/", 1)[0]
     objects = ObjectStore(folder, options)
     os.makedirs(into, exist_ok=True)
-    try:
-        with open(os.path.join(into, ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return _fetch_once(
-                objects, folder, url, os.path.join(into, os.path.basename(folder)), reads
-            )
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise objects.error(e, "read") from None
+    with objects.failing_as("read"), open(os.path.join(into, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_once(
+            objects, folder, url, os.path.join(into, os.path.basename(folder)), reads
+        )
 
 
 def _fetch_once(

@@ -107,10 +107,8 @@ def claim_run_dir(
     if remote is None:
         dist.check_shared(cfg.run_dir)
         return cfg.run_dir
-    try:
+    with remote.run.failing_as("read the records of"):
         remote.mirror.pull()
-    except Exception as e:  # noqa: BLE001 - the store's failure as one line
-        raise remote.run.error(e, "read the records of") from None
     return cfg.run_dir
 
 

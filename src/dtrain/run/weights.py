@@ -192,11 +192,10 @@ def _fetched(url: str, into: str, options: dict[str, Any] | None) -> str:
     if "." in name and name != FULL_FILE:
         objects = ObjectStore(url.rstrip("/").rsplit("/", 1)[0], options)
         local = os.path.join(into, name)
-        try:
-            objects.get(name, local)
-        except FileNotFoundError:
-            raise UserError(f"config error: model.init_from: {url} not found") from None
-        except Exception as e:  # noqa: BLE001 - the store's failure as one line
-            raise objects.error(e, "read") from None
+        with objects.failing_as("read"):
+            try:
+                objects.get(name, local)
+            except FileNotFoundError:
+                raise UserError(f"config error: model.init_from: {url} not found") from None
         return local
     return fetch_checkpoint(url, into, dict(options or {}))

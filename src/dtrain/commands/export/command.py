@@ -90,11 +90,9 @@ def main(
                        where=(made, parent))  # fmt: skip
         objects = remote_copies.ObjectStore(parent, {})
         files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
-        try:
+        with objects.failing_as("write to"):
             for rel in files:
                 objects.put(os.path.join(made, rel), rel)
-        except Exception as e:  # noqa: BLE001 - the store's failure as one line
-            raise objects.error(e, "write to") from None
         return found
 
 
