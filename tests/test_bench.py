@@ -25,6 +25,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(bpe_vs_bytes.run)
     import ema_cost  # run on its own: the EMA figures of docs/after_training.md
     assert callable(ema_cost.run)
+    import hf_memory  # run on its own: the loading figures of docs/fine-tuning.md
+    assert callable(hf_memory.main)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

@@ -28,8 +28,7 @@ __all__ = ["ObjectStore", "PreconditionFailed", "StreamingUpload", "is_url", "jo
 # 503 "SlowDown" is retried with backoff (botocore's standard retry mode).
 _DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 60,
                    "retries": {"max_attempts": 6, "mode": "standard"}}  # fmt: skip
-PART = 8 * 2**20  # the size of an upload's and a download's parts
-DOWNLOADS = 2  # a download's parts in flight at once: at most 16 MiB of it in memory
+PART = 8 * 2**20  # the size of an upload's parts
 
 
 class PreconditionFailed(Exception):
@@ -135,10 +134,11 @@ class ObjectStore:
         )
 
     def get(self, rel: str, local: str) -> None:
-        """Download the object to the file `local`, in ranged parts, a few at a time: s3fs's
-        default (10 parts of 50 MiB at once) holds up to 500 MiB of it in memory."""
+        """Download the object to the file `local` in one request, written as it arrives:
+        memory stays flat. (s3fs's default, ten ranged parts of 50 MiB at once, holds up to
+        500 MiB in memory; with 8 MiB parts two at a time it was a third as fast here.)"""
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-        self.fs.get_file(self.path(rel), local, chunksize=PART, max_concurrency=DOWNLOADS)
+        self.fs.get_file(self.path(rel), local, max_concurrency=1)
 
     def get_tree(self, rel: str, local: str) -> dict[str, int]:
         """Download every object below `rel` into the folder `local`; returns what it fetched."""
