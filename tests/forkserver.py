@@ -36,10 +36,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-# Variables that Python, torch, numpy or the C runtime read when they start: a launch that sets
-# them otherwise than the server started with needs a fresh interpreter.
+# Variables that Python, torch, numpy, the C runtime or a preloaded library (huggingface_hub's
+# cache and offline settings) read when they start: a launch that sets them otherwise than the
+# server started with needs a fresh interpreter.
 READ_AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS", "GOTO", "TORCH", "CUDA",
-                 "NVIDIA", "GLIBC_TUNABLES", "MALLOC_", "LC_", "LANG")
+                 "NVIDIA", "GLIBC_TUNABLES", "MALLOC_", "LC_", "LANG", "HF_", "TRANSFORMERS_")
 # Of those, what is read later, when used: the suite's own PYTHON (the interpreter its scripts
 # run), torch.hub's folder.
 READ_WHEN_USED = ("PYTHON", "TORCH_HOME")

@@ -26,7 +26,7 @@ def test_every_entry_names_a_builder_that_exists(table) -> None:
 
 @pytest.mark.parametrize("key,name,message", [
     ("model.name", "resnet", "config error: model.name: unknown model 'resnet'; use one of "
-                             "simple_cnn, resnet_small, transformer, gpt, tv:NAME, hf:PATH, "
+                             "simple_cnn, resnet_small, transformer, gpt, tv:NAME, timm:NAME, hf:PATH, "
                              "hf-config:PATH or module:function "
                              "(did you mean 'resnet_small'?)"),
     ("data.name", "cifar", "config error: data.name: unknown dataset 'cifar'; use one of synthetic, "

@@ -271,10 +271,11 @@ def _cross_checks(cfg: Config) -> None:
         raise UserError(
             f"config error: optim.no_decay: expected auto or a list of name globs, got {no_decay!r}"
         )
-    if cfg.model.pretrained and not cfg.model.name.startswith("tv:"):
+    if cfg.model.pretrained and not cfg.model.name.startswith(("tv:", "timm:")):
         raise UserError(
-            f"config error: model.pretrained: only torchvision models (tv:NAME) have "
-            f"pretrained weights here; use model.init_from=PATH for {cfg.model.name}"
+            f"config error: model.pretrained: only torchvision and timm models (tv:NAME, "
+            f"timm:NAME) have pretrained weights here; use model.init_from=PATH for "
+            f"{cfg.model.name}"
         )
     if cfg.model.pretrained and cfg.model.init_from:
         raise UserError(

@@ -101,6 +101,7 @@ MODELS = Table(
     },
     prefixes={
         "tv:": Entry("dtrain.models:build_torchvision", "a torchvision classifier"),
+        "timm:": Entry("dtrain.models:build_timm", "a timm model (the 'timm' extra)"),
         "hf:": Entry(
             "dtrain.models.hf:build", "a Hugging Face model folder (or cached id)", free="PATH"
         ),

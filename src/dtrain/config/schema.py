@@ -161,9 +161,10 @@ class ModelConfig:
 
     name: str = option(
         "simple_cnn",
-        doc="a built-in model, `tv:NAME` (a torchvision classifier), `hf:PATH` (a Hugging "
-        "Face model folder or cached model id, with its weights), `hf-config:PATH` (its "
-        "architecture, fresh weights), or a user's `module:function` called with this config",
+        doc="a built-in model, `tv:NAME` (a torchvision classifier), `timm:NAME`, `hf:PATH` "
+        "(a Hugging Face model folder or cached model id, with its weights), `hf-config:PATH` "
+        "(its architecture, fresh weights), or a user's `module:function` called with this "
+        "config",
     )
     num_classes: int | None = option(None, check=AT_LEAST_ONE, doc="default: from the dataset")
     args: dict = option(
@@ -189,8 +190,8 @@ class ModelConfig:
     )
     pretrained: bool = option(
         False,
-        doc="`tv:` models: torchvision's weights from the local torch hub cache "
-        "(never downloaded at run time)",
+        doc="`tv:` models: torchvision's weights from the local torch hub cache; `timm:` "
+        "models: timm's from the local Hugging Face cache (never downloaded at run time)",
     )
 
 

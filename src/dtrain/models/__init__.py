@@ -17,7 +17,7 @@ from torch import nn
 
 from dtrain.config import ModelConfig, registry
 from dtrain.core.errors import UserError, first_line
-from dtrain.core.imports import load_callable
+from dtrain.core.imports import load_callable, require
 
 
 class ConvBlock(nn.Sequential):
@@ -345,3 +345,17 @@ def build_torchvision(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
         hint = f" (did you mean 'tv:{close[0]}'?)" if close else ""
         raise UserError(f"config error: model.name: torchvision has no model '{name}'{hint}")
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **cfg.args)
+
+
+def build_timm(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    """`timm:NAME`: timm's model NAME, untrained, with the data's classes and channels (its
+    pretrained weights, with model.pretrained, come from the local Hugging Face cache)."""
+    timm = require("timm", "timm", f"model.name: {cfg.name}")
+    name = cfg.name.removeprefix("timm:")
+    available = timm.list_models()
+    if timm.models.get_arch_name(name) not in available:
+        close = difflib.get_close_matches(name, available, n=1)
+        hint = f" (did you mean 'timm:{close[0]}'?)" if close else ""
+        raise UserError(f"config error: model.name: timm has no model '{name}'{hint}")
+    args = {"in_chans": info.get("in_channels", 3), **cfg.args}
+    return timm.create_model(name, pretrained=False, num_classes=_num_classes(cfg, info), **args)

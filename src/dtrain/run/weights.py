@@ -28,6 +28,7 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.config import ModelConfig
 from dtrain.core.errors import UserError, first_line
+from dtrain.core.imports import require
 from dtrain.core.urls import is_url
 from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import fetch_checkpoint
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 def pretrained_path(model_name: str) -> str:
     """Where torchvision's default weights of `tv:<model_name>` lie in the torch hub cache, or a
     UserError saying which file to put where (nothing is downloaded at run time)."""
+    if model_name.startswith("timm:"):
+        return _timm_weights(model_name)
     import torchvision
 
     name = model_name.removeprefix("tv:")
@@ -61,9 +64,35 @@ def pretrained_path(model_name: str) -> str:
     return path
 
 
+def _timm_weights(model_name: str) -> str:
+    """Where timm's pretrained weights of `timm:<name>` lie in the local Hugging Face cache, or
+    a UserError saying what to download where (nothing is downloaded at run time)."""
+    timm = require("timm", "timm", f"model.name: {model_name}")
+    hub = require("huggingface_hub", "timm", "model.pretrained")
+    name = model_name.removeprefix("timm:")
+    repo = getattr(
+        timm.models.get_pretrained_cfg(name, allow_unregistered=False), "hf_hub_id", None
+    )
+    if not repo:
+        raise UserError(f"config error: model.pretrained: timm has no weights for {model_name}")
+    repo, _, revision = repo.partition("@")
+    for file in ("model.safetensors", "pytorch_model.bin"):
+        found = hub.try_to_load_from_cache(repo, file, revision=revision or None)
+        if isinstance(found, str):
+            return found
+    raise UserError(
+        f"config error: model.pretrained: timm's weights for {model_name} are not in the "
+        f"Hugging Face cache ({hub.constants.HF_HUB_CACHE}); download them there first "
+        f"(hf download {repo}): dtrain downloads nothing at run time"
+    )
+
+
 def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
     """The model weights in a file: a dtrain full checkpoint's `model` (checked against its
-    marker's digest), or a plain state_dict."""
+    marker's digest), a plain state_dict, or a safetensors file."""
+    if path.endswith(".safetensors"):
+        safetensors = require("safetensors.torch", "export", "model.init_from (.safetensors)")
+        return dict(safetensors.load_file(path))
     data = load_checked(path, mmap=True)
     if isinstance(data, dict) and isinstance(data.get("model"), dict) and "train_state" in data:
         data = data["model"]
