@@ -323,3 +323,17 @@ def test_the_shipped_fine_tune_config_runs_as_its_comment_says(tmp_path):
     # last evaluation, far below a fresh model's first loss (the base's).
     fresh, start = base.losses()[1], tuned.losses()[1]
     assert abs(start - base_val) < 0.25 * (fresh - base_val), (fresh, base_val, start)
+
+
+def test_plan_sizes_an_hf_model_by_its_own_blocks(folders):
+    """dtrain plan builds the model on the meta device (its shapes, not its weights) and counts
+    the model's own blocks, as FSDP wraps them."""
+    from conftest import dtrain
+    planned = dtrain("plan", *[a for a in LM if not a.startswith("ckpt.format")],
+                     f"model.name=hf:{folders['llama']}", f"data.root={folders['tokens']}",
+                     "parallel.mode=fsdp", "--nproc", "2")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    count = sum(p.numel() for p in transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**LLAMA)).parameters())
+    assert f"model       hf:{folders['llama']}: {count / 1e6:.3f} M parameters in 2 block(s)" \
+        in planned.stdout

@@ -34,6 +34,8 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
     check_weights(cfg.name, folder)
+    if torch.get_default_device().type == "meta":  # dtrain plan: the shapes, not the weights
+        return cls(config)
     saved_labels = getattr(cls.config_class.from_pretrained(folder), "num_labels", None)
     return cls.from_pretrained(
         folder,
