@@ -172,7 +172,26 @@ def _fd(target, name: str) -> tuple[int, bool]:
     return (target if isinstance(target, int) else target.fileno()), False
 
 
-class Forked:
+class _Signalled:
+    """What subprocess.Popen's signalling methods do, for a launch with a pid and a poll()."""
+
+    pid: int
+
+    def poll(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forked(_Signalled):
     """A launch forked from the server: the parts of subprocess.Popen that tests use."""
 
     def __init__(self, args: list[str], request: dict, stdin=None, stdout=None, stderr=None,
@@ -230,16 +249,6 @@ class Forked:
             self._finish(self._sock.recv(_MAX_MESSAGE))
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: Optional[float] = None):
         streams = [s for s in (self.stdout, self.stderr) if s is not None]
@@ -441,7 +450,7 @@ def _rank_fits(env: dict, agent_env: dict) -> bool:
     return True
 
 
-class _ForkedRank:
+class _ForkedRank(_Signalled):
     """A rank forked from the agent: its child, waited for as subprocess.Popen waits."""
 
     def __init__(self, args: list[str], request: dict, fds: list[int]) -> None:
@@ -467,16 +476,6 @@ class _ForkedRank:
             time.sleep(0.01)
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def serve(address: str) -> None:
