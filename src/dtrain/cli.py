@@ -150,6 +150,8 @@ def _tokenize(args: argparse.Namespace) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         eot=args.eot,
+        chat=args.chat,
+        seq_len=args.seq_len,
     )
     print(tokenize.summary(args.out, meta))
     return 0
@@ -187,7 +189,22 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
         "--val", nargs="+", metavar="INPUT", help="validation inputs instead of a held-out part"
     )
     p.add_argument(
-        "--column", default="text", help="the text field or column of .jsonl, parquet, datasets"
+        "--column",
+        help="the text field or column of .jsonl, parquet, datasets (default text; with --chat, "
+        "the messages: default messages)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help='conversations ({"messages": [{"role", "content"}, ...]} rows) rendered with the '
+        "--tokenizer MODEL_DIR's chat template; loss masks count the assistant's replies",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="N",
+        help="with --chat: the window conversations are laid out in, whole (default 256; train "
+        "with data.tokens.seq_len a multiple of it)",
     )
     p.add_argument(
         "--workers", type=int, metavar="K", help="encoding threads (default: every core)"

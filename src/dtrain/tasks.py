@@ -119,31 +119,55 @@ class LanguageModel:
     (nats per token), val_perplexity and val_bits_per_byte: the loss in bits over the bytes of
     text a token stands for (`bytes_per_token`: 1 for bytes, the validation split's ratio from
     a token folder's meta.json), so that models with different tokenizers compare on one scale.
-    Without a ratio (token files without meta.json) bits per byte is not reported."""
+    Without a ratio (token files without meta.json) bits per byte is not reported.
+
+    A batch may also be the pair (windows, mask) of a token folder with loss masks (the
+    assistant's replies of chat data): only the targets the mask marks count, the loss being
+    their mean. Evaluation then reports, per window, the counted targets' loss summed and their
+    share of the window (`counted`), so that val_loss, their ratio over the whole validation
+    set, is the mean over every counted token, and a window that counts none weighs nothing."""
 
     def __init__(self, seq_len: int | None = None, bytes_per_token: float | None = 1.0) -> None:
         self.tokens_per_sample = seq_len
         self.bytes_per_token = bytes_per_token
 
     @staticmethod
-    def _split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = batch.long()  # bytes cross to the device as uint8
-        return tokens[:, :-1], tokens[:, 1:]
+    def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inputs, targets and, with a mask, which targets count (position t's target is token
+        t + 1, so the mask of token t + 1 is the one that applies)."""
+        windows, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
+        tokens = windows.long()  # bytes cross to the device as uint8
+        return tokens[:, :-1], tokens[:, 1:], None if mask is None else mask[:, 1:]
 
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = self._split(batch)
+    def model_input(self, batch: Any) -> torch.Tensor:
+        return self._split(batch)[0]
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets, counts = self._split(batch)
         logits = logits_of(model(inputs)).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        if counts is None:
+            return F.cross_entropy(flat_logits, flat_targets)
+        weights = counts.reshape(-1).float()
+        per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
+        # A batch that counts no target gives 0 (and no gradient), not 0 / 0.
+        return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
 
-    def metrics(self, model: nn.Module, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        inputs, targets = self._split(batch)
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        inputs, targets, counts = self._split(batch)
         logits = logits_of(model(inputs)).float()
         per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        return {"loss": per_token.mean(dim=1)}
+        if counts is None:
+            return {"loss": per_token.mean(dim=1)}
+        weights = counts.float()
+        return {"loss": (per_token * weights).mean(dim=1), "counted": weights.mean(dim=1)}
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        figures: dict[str, float] = {}
         loss = means["loss"]
-        figures = {"perplexity": math.exp(min(loss, 700.0))}
+        if "counted" in means:  # masked: the mean over the counted tokens (see the docstring)
+            loss = figures["loss"] = loss / means["counted"] if means["counted"] else math.nan
+        figures["perplexity"] = math.exp(min(loss, 700.0))
         if self.bytes_per_token:
             figures["bits_per_byte"] = loss / math.log(2) / self.bytes_per_token
         return figures
@@ -263,6 +287,6 @@ def reported_metrics(task: Task, values: dict[str, torch.Tensor]) -> list[str]:
     """The `val_` names an evaluation gives, derived ones included."""
     names = list(values)
     summarize = getattr(task, "summarize", None)
-    if summarize is not None:
-        names += list(summarize({name: 1.0 for name in values}))
+    if summarize is not None:  # (a derived figure may replace a metric of the same name)
+        names += [n for n in summarize({name: 1.0 for name in values}) if n not in names]
     return [f"val_{name}" for name in names]

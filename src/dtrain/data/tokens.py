@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url, join
+from dtrain.data import masks as loss_masks
 from dtrain.data import remote_tokens
 from dtrain.data.decode import BadSample
 from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
@@ -156,37 +157,52 @@ def count_windows(tokens: int, seq_len: int, stride: int) -> int:
 class Windows(Dataset):
     """Windows of `seq_len + 1` tokens every `stride` tokens of a Span, as a (batch, seq_len + 1)
     tensor (bytes as uint8; token ids as int32, or int64 for uint32 files). With `vocab_size`,
-    a batch holding an id outside the vocabulary stops the run with the file named."""
+    a batch holding an id outside the vocabulary stops the run with the file named. With a
+    `mask` (a Span of the loss masks, data/masks.py), a batch is the pair (tokens, mask), the
+    mask a bool tensor of the same shape."""
 
     def __init__(
-        self, span: Span, seq_len: int, stride: int, vocab_size: int | None = None
+        self,
+        span: Span,
+        seq_len: int,
+        stride: int,
+        vocab_size: int | None = None,
+        mask: Span | None = None,
     ) -> None:
         self.span, self.seq_len, self.stride, self.vocab_size = span, seq_len, stride, vocab_size
+        self.mask = mask
         self.count = count_windows(len(span), seq_len, stride)
         self.tensor_dtype = _TENSOR_DTYPES[span.dtype.type]
 
     def __len__(self) -> int:
         return self.count
 
-    def _batch(self, indices: list[int]) -> torch.Tensor:
-        out = np.empty((len(indices), self.seq_len + 1), dtype=self.tensor_dtype)
-        row = np.empty(self.seq_len + 1, dtype=self.span.dtype)
+    def _rows(self, span: Span, indices: list[int], dtype: type) -> np.ndarray:
+        out: np.ndarray = np.empty((len(indices), self.seq_len + 1), dtype=dtype)
+        row = np.empty(self.seq_len + 1, dtype=span.dtype)
         for i, index in enumerate(indices):
             if not 0 <= index < self.count:
                 raise IndexError(f"window {index} of {self.count}")
-            self.span.read(index * self.stride, row)
+            span.read(index * self.stride, row)
             out[i] = row
+        return out
+
+    def _batch(self, indices: list[int]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = self._rows(self.span, indices, self.tensor_dtype)
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             i, j = np.argwhere(out >= self.vocab_size)[0]
             raise self._out_of_vocabulary(indices[i] * self.stride + int(j), int(out[i, j]))
-        return torch.from_numpy(out)
+        if self.mask is None:
+            return torch.from_numpy(out)
+        return torch.from_numpy(out), torch.from_numpy(self._rows(self.mask, indices, np.bool_))
 
     def _out_of_vocabulary(self, position: int, token: int) -> BadTokens:
         path, at = self.span.locate(position)
         return BadTokens(out_of_vocabulary(path, at, token, self.vocab_size or 0))
 
-    def __getitem__(self, key: SampleKey) -> torch.Tensor:
-        return self._batch([index_of(key)])[0]
+    def __getitem__(self, key: SampleKey) -> Any:
+        batch = self._batch([index_of(key)])
+        return batch[0] if isinstance(batch, torch.Tensor) else tuple(part[0] for part in batch)
 
     def __getitems__(self, keys: list[SampleKey]) -> Stacked:
         return Stacked(self._batch([index_of(k) for k in keys]))
@@ -233,7 +249,7 @@ def check_ids(span: Span, vocab_size: int) -> None:
 class Folder:
     """What a token folder holds: each split's files as one Span (sizes checked against the
     dtype), the vocabulary, and from meta.json (when there is one) the bytes of text per token
-    of each split."""
+    of each split; with loss masks, each split's masks as one Span and the tokens they count."""
 
     root: str
     files: dict[str, list[str]]  # "train" / "val" -> paths, in reading order
@@ -241,6 +257,8 @@ class Folder:
     vocab_size: int
     bytes_per_token: dict[str, float | None]
     described_by: str  # where dtype and vocabulary came from, for the banner
+    masks: dict[str, Span]  # empty for a folder without loss masks
+    meta: dict[str, Any]  # meta.json ({} without one)
 
     def info(self, seq_len: int) -> dict[str, Any]:
         """What the model and the task learn from the folder: the vocabulary, the window's
@@ -325,8 +343,9 @@ def _meta_value(meta: dict[str, Any], key: str, path: str, valid: Any, what: str
     return value
 
 
-def _bytes_per_token(meta: dict[str, Any], split: str) -> float | None:
-    tokens = (meta.get("tokens") or {}).get(split)
+def _bytes_per_token(meta: dict[str, Any], split: str, masked: bool) -> float | None:
+    """Bytes of text per token; of a masked folder, per token the masks count (the loss's)."""
+    tokens = (meta.get("counted" if masked else "tokens") or {}).get(split)
     text = (meta.get("bytes") or {}).get(split)
     if isinstance(tokens, int) and isinstance(text, (int, float)) and tokens > 0 and text > 0:
         return text / tokens
@@ -352,6 +371,7 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
             f"train.bin and val.bin (e.g. made by dtrain tokenize)"
         )
     files = {split: _split_files(root, split, listed) for split in splits}
+    mask_files = loss_masks.find(root, files, listed)
     meta_path = join(root, names.TOKEN_META) if listed else os.path.join(root, names.TOKEN_META)
     if meta_bytes is not None or (listed is None and os.path.isfile(meta_path)):
         meta = _read_meta(meta_path, meta_bytes)
@@ -364,7 +384,7 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
                     f"config error: data.tokens.{key}: {given!r} disagrees with {meta_path} "
                     f"({mine!r}); leave data.tokens.{key} unset to use meta.json's"
                 )
-        per_token = {split: _bytes_per_token(meta, split) for split in files}
+        per_token = {split: _bytes_per_token(meta, split, bool(mask_files)) for split in files}
         described = meta_path
     else:
         missing = [k for k in ("dtype", "vocab_size") if getattr(keys, k) is None]
@@ -379,6 +399,10 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
     digests = _digests(meta)
     spans = {split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests),
                          DTYPES[dtype]) for split, paths in files.items()}  # fmt: skip
+    masks = {split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests),
+                         np.uint8) for split, paths in mask_files.items()}  # fmt: skip
+    for split, mask in masks.items():
+        loss_masks.check_sizes(spans[split], mask, mask_files[split])
     for split, paths in files.items():
         said = (meta.get("tokens") or {}).get(split)
         if isinstance(said, int) and said != len(spans[split]):
@@ -386,7 +410,7 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
                 f"data error: {', '.join(paths)} hold(s) {len(spans[split])} tokens, but "
                 f"{meta_path} says {said}: the files and meta.json come from different runs"
             )
-    return Folder(root, files, spans, vocab, per_token, described)
+    return Folder(root, files, spans, vocab, per_token, described, masks, meta)
 
 
 def window_counts(cfg: DataConfig, seq_len: int) -> tuple[int, int, dict[str, Any]]:
@@ -420,18 +444,19 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
     seq_len = cfg.tokens.seq_len
     assert seq_len is not None, "data.build settles data.tokens.seq_len"
     stride = cfg.tokens.stride or seq_len
-    spans = folder.spans
+    spans, masks = folder.spans, folder.masks
     for span in spans.values():
         check_ids(span, folder.vocab_size)
-    val = Windows(spans["val"], seq_len, seq_len, folder.vocab_size)
+    loss_masks.check_windows(folder.meta, cfg.root, seq_len, stride)
+    val = Windows(spans["val"], seq_len, seq_len, folder.vocab_size, masks.get("val"))
     train: Any = NO_SAMPLES
     if not val_only:
-        train = Windows(spans["train"], seq_len, stride, folder.vocab_size)
+        train = Windows(spans["train"], seq_len, stride, folder.vocab_size, masks.get("train"))
         enough_windows(train, ", ".join(folder.files["train"]), seq_len, "data.tokens.seq_len")
     enough_windows(val, ", ".join(folder.files["val"]), seq_len, "data.tokens.seq_len")
     per_token = folder.bytes_per_token["val"]
     bytes_note = (
-        f"{per_token:.3f} bytes of text per validation token"
+        f"{per_token:.3f} bytes of text per {'counted ' if masks else ''}validation token"
         if per_token
         else "no bytes per token in meta.json: bits per byte not reported"
     )
@@ -445,4 +470,10 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
         f"{folder.vocab_size}, from {folder.described_by}): {training}{len(val)} validation "
         f"windows; {bytes_note}"
     )
-    return Datasets(train, val, folder.info(seq_len), [banner])
+    notes = [banner]
+    if masks:
+        counted = {split: loss_masks.counted(folder.meta, split, m) for split, m in masks.items()}
+        for split, count in counted.items():
+            loss_masks.check_counted(count, split, folder.files[split])
+        notes.append(loss_masks.note(folder.meta, counted, spans))
+    return Datasets(train, val, folder.info(seq_len), notes)

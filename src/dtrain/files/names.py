@@ -48,3 +48,10 @@ def token_file(split: str) -> str:
 def token_shards(split: str) -> str:
     """The glob pattern of a split's shards when it is several (`train_*.bin`)."""
     return f"{split}_*.bin"
+
+
+def loss_mask(token_file: str) -> str:
+    """The loss mask beside a token file (`train.bin` -> `train.mask`, `train_003.bin` ->
+    `train_003.mask`; a shard pattern maps to the masks' pattern): one byte per token, nonzero
+    where a language model's loss counts that token as a target."""
+    return token_file.removesuffix(".bin") + ".mask"

@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from dtrain.commands.tokenize import chat as chat_data
 from dtrain.commands.tokenize.inputs import Source, corpus_sources, pieces, sources
 from dtrain.commands.tokenize.output import (
     BYTES_COUNTED,
@@ -191,13 +192,17 @@ def tokenize(
     corpus: str | None = None,
     val_fraction: float = 0.1,
     val_inputs: list[str] | None = None,
-    column: str = "text",
+    column: str | None = None,
     workers: int | None = None,
     overwrite: bool = False,
     eot: str | None = None,
+    chat: bool = False,
+    seq_len: int | None = None,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
+    With `chat`, the inputs are conversations, rendered by the --tokenizer folder's chat
+    template, laid out in windows of `seq_len` tokens and masked (commands/tokenize/chat.py).
     Every mistake is a UserError, raised before anything is written or with everything
     written so far removed. Progress goes to `stream` (default: stderr)."""
     stream = stream or sys.stderr
@@ -205,17 +210,35 @@ def tokenize(
         raise UserError("usage error: give INPUT files or folders, or --corpus, not both")
     if not inputs and not corpus:
         raise UserError("usage error: give INPUT files or folders (or --corpus python_docs)")
+    if chat and (corpus or tokenizer_path is None):
+        raise UserError(
+            "usage error: --chat reads conversations from INPUT files with --tokenizer MODEL_DIR "
+            "(the folder of the tokenizer and its chat template)"
+        )
+    if seq_len is not None and not chat:
+        raise UserError(
+            "usage error: --seq-len goes with --chat (plain text is cut into windows when "
+            "training, by data.tokens.seq_len)"
+        )
+    if seq_len is not None and seq_len < 1:
+        raise UserError(f"usage error: --seq-len must be at least 1, not {seq_len}")
+    column = column or ("messages" if chat else "text")
     if (vocab_size is None) == (tokenizer_path is None):
         raise UserError("usage error: give --vocab-size N (to train a tokenizer) or --tokenizer")
     if not val_inputs and not 0 < val_fraction < 1:
         raise UserError(f"usage error: --val-fraction must be between 0 and 1, not {val_fraction}")
-    train_sources = corpus_sources(corpus) if corpus else sources(inputs, column)
-    val_sources = sources(val_inputs, column, "val") if val_inputs else []
+    train_sources = corpus_sources(corpus) if corpus else sources(inputs, column, chat=chat)
+    val_sources = sources(val_inputs, column, "val", chat) if val_inputs else []
     out = os.path.abspath(out)
     _check_out(out, overwrite)
     use_workers(workers)
+    templated: Any = None  # with --chat: the folder's tokenizer as transformers loads it
+    layout: dict[str, Any] = {}
     if tokenizer_path is not None:
         tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
+        if chat:
+            templated = chat_data.load_tokenizer(tokenizer_path)
+            layout = chat_data.meta_of(tokenizer_path, templated, seq_len or chat_data.SEQ_LEN)
         made_by = os.path.abspath(tokenizer_path)
         if os.path.isdir(tokenizer_path):
             tokenizer_path = os.path.join(tokenizer_path, TOKENIZER_FILE)
@@ -235,23 +258,27 @@ def tokenize(
         "eot": eot_text,
     }
     about = {
-        "bytes_counted": BYTES_COUNTED,
+        "bytes_counted": chat_data.BYTES_COUNTED if chat else BYTES_COUNTED,
         "tokenizer": "tokenizer.json",
         "tokenizer_from": made_by,
         "val_from": "the --val inputs"
         if val_sources
-        else f"the last {val_fraction:g} of the token stream",
+        else f"the last {val_fraction:g} of the {'windows' if chat else 'token stream'}",
         "val_fraction": None if val_sources else val_fraction,
         "inputs": {"train": _inputs(train_sources), "val": _inputs(val_sources)},
     }
+    if chat:
+        about["mask"] = chat_data.COUNTED
+        meta["chat"] = layout
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise outputs.output_error("tokenize", out, e) from None
-    partial = {
-        n: os.path.join(out, n + ".partial") for n in map(names.token_file, names.TOKEN_SPLITS)
-    }
+    written = [names.token_file(s) for s in names.TOKEN_SPLITS]
+    if chat:
+        written += [names.loss_mask(n) for n in written]
+    partial = {n: os.path.join(out, n + ".partial") for n in written}
     target = os.path.join(out, "tokenizer.json")
     if tokenizer_path is None or not _same_file(tokenizer_path, target):
         partial["tokenizer.json"] = target + ".partial"
@@ -262,19 +289,25 @@ def tokenize(
                 tokenizer.save(partial["tokenizer.json"])
             else:
                 shutil.copyfile(tokenizer_path, partial["tokenizer.json"])
-        splits = _write_splits(
-            tokenizer,
-            meta,
-            val_fraction,
-            train_sources,
-            val_sources,
-            column,
-            partial,
-            index_path,
-            workers,
-            stream,
-        )
-        for key in ("tokens", "bytes", "documents"):
+        if templated is not None:
+            splits = chat_data.write_splits(
+                templated, meta, val_fraction, train_sources, val_sources, column, partial,
+                index_path, stream,
+            )  # fmt: skip
+        else:
+            splits = _write_splits(
+                tokenizer,
+                meta,
+                val_fraction,
+                train_sources,
+                val_sources,
+                column,
+                partial,
+                index_path,
+                workers,
+                stream,
+            )
+        for key in ("tokens", "bytes", "documents", *(("counted",) if chat else ())):
             meta[key] = {name: getattr(split, key) for name, split in splits.items()}
         meta.update(about)
         publish(out, partial, meta)
@@ -362,8 +395,16 @@ def _same_file(a: str, b: str) -> bool:
 def summary(out: str, meta: dict[str, Any]) -> str:
     tokens, size = meta["tokens"], meta["bytes"]
     total = tokens["train"] + tokens["val"]
-    return (
+    line = (
         f"wrote {out}: train.bin {tokens['train']:,} tokens, val.bin {tokens['val']:,} tokens "
         f"({meta['dtype']}, vocabulary {meta['vocab_size']:,}, end-of-text id "
-        f"{meta['eot_id']}), {(size['train'] + size['val']) / max(1, total):.2f} bytes per token"
+        f"{meta['eot_id']}), "
+    )
+    if "counted" not in meta:
+        return line + f"{(size['train'] + size['val']) / max(1, total):.2f} bytes per token"
+    counted = meta["counted"]
+    return line + (
+        f"{meta['documents']['train'] + meta['documents']['val']:,} conversations in windows "
+        f"of {meta['chat']['seq_len']}; the masks count "
+        f"{(counted['train'] + counted['val']) / total:.1%} of the tokens ({meta['mask']})"
     )

@@ -8,7 +8,8 @@ does not grow with a document's size and the tokenizer's threads share the work 
 
 Everything that can be checked before reading the text is checked in `sources` (a missing
 path, an unknown kind of file, a missing or non-text column, an empty `.txt` file), so that a
-mistake costs no tokenizing.
+mistake costs no tokenizing. The same sources hold conversations for `--chat` (a column of
+lists of messages; read row by row in `conversations`).
 """
 
 from __future__ import annotations
@@ -64,19 +65,21 @@ def corpus_sources(name: str) -> list[Source]:
     return [Source(f"--corpus {name}", "corpus", name, {name: size})]
 
 
-def sources(inputs: list[str], column: str, part: str = "train") -> list[Source]:
+def sources(
+    inputs: list[str], column: str, part: str = "train", chat: bool = False
+) -> list[Source]:
     """The sources of the INPUT arguments (or of --val's, `part` "val"), checked as far as can
-    be without reading text."""
+    be without reading text; with `chat`, sources of conversations (`column` their messages)."""
     found: list[Source] = []
     for given in inputs:
         path = os.path.abspath(given)
         if not os.path.exists(path):
             raise UserError(f"input error: '{given}' not found")
         if os.path.isdir(path) and _is_saved_dataset(path):
-            found.append(_dataset_source(given, path, column, DICT_SPLITS[part]))
+            found.append(_dataset_source(given, path, column, DICT_SPLITS[part], chat))
             continue
         files = _folder_files(given, path) if os.path.isdir(path) else [path]
-        of_input = [_file_source(given, name, column) for name in files]
+        of_input = [_file_source(given, name, column, chat) for name in files]
         if all(s.kind == "txt" for s in of_input) and not any(s.size for s in of_input):
             raise UserError(f"input error: '{given}' has no text (its .txt files are empty)")
         found += of_input
@@ -99,12 +102,17 @@ def _folder_files(given: str, path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def _file_source(given: str, path: str, column: str) -> Source:
+def _file_source(given: str, path: str, column: str, chat: bool) -> Source:
     kind = KINDS.get(os.path.splitext(path)[1])
     if kind is None:
         raise UserError(
             f"input error: '{given}': not a .txt, .jsonl or .parquet file, a folder of them, "
             f"or a datasets save_to_disk folder"
+        )
+    if chat and kind == "txt":
+        raise UserError(
+            f"input error: {path}: --chat reads conversations, and a .txt file holds none; "
+            f'give .jsonl rows of {{"{column}": [{{"role": ..., "content": ...}}, ...]}}'
         )
     source = Source(given, kind, path, {path: os.path.getsize(path)})
     if kind == "parquet":
@@ -113,7 +121,7 @@ def _file_source(given: str, path: str, column: str) -> Source:
             schema = parquet.ParquetFile(path).schema_arrow
         except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
             raise UserError(f"input error: {path}: not a parquet file ({e})") from None
-        _check_column(path, column, schema.names, lambda: schema.field(column).type)
+        _check_column(path, column, schema.names, lambda: schema.field(column).type, chat)
     return source
 
 
@@ -142,24 +150,34 @@ def _load_dataset(path: str, splits: tuple[str, ...]) -> tuple[Any, str]:
     return loaded[split], split
 
 
-def _dataset_source(given: str, path: str, column: str, splits: tuple[str, ...]) -> Source:
+def _dataset_source(
+    given: str, path: str, column: str, splits: tuple[str, ...], chat: bool
+) -> Source:
     dataset, split = _load_dataset(path, splits)
     _check_column(
-        path, column, dataset.column_names, lambda: dataset.data.schema.field(column).type
+        path, column, dataset.column_names, lambda: dataset.data.schema.field(column).type, chat
     )
     files = {f["filename"]: os.path.getsize(f["filename"]) for f in dataset.cache_files}
     return Source(given, "dataset", path, files, split)
 
 
-def _check_column(path: str, column: str, names: list[str], type_of: Any) -> None:
+def _check_column(path: str, column: str, names: list[str], type_of: Any, chat: bool) -> None:
+    """The text column (with `chat`, the messages column) is there and of that type."""
     pyarrow = require("pyarrow", "hf", "reading parquet files and saved datasets")
+    what = "messages" if chat else "text"
     if column not in names:
         raise UserError(
             f"input error: {path}: no column '{column}' (it has {', '.join(names)}); "
-            f"name the text column with --column"
+            f"name the {what} column with --column"
         )
     kind = type_of()
-    if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+    if chat:
+        if not (pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)):
+            raise UserError(
+                f"input error: {path}: column '{column}' holds {kind}, not lists of messages; "
+                f"name the messages column with --column"
+            )
+    elif not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
         raise UserError(
             f"input error: {path}: column '{column}' holds {kind}, not text; "
             f"name the text column with --column"
@@ -172,22 +190,23 @@ def pieces(source: Source, column: str) -> Iterator[Piece]:
         yield from _txt_pieces(source.path)
     elif source.kind == "jsonl":
         yield from _jsonl_pieces(source.path, column)
-    elif source.kind == "parquet":
-        parquet = require("pyarrow.parquet", "hf", "reading parquet files")
-        batches = parquet.ParquetFile(source.path).iter_batches(ROWS_PER_READ, columns=[column])
-        yield from _row_pieces((b.column(0) for b in batches), _rows_of(source), source.size)
-    elif source.kind == "dataset":
-        table = _load_dataset(source.path, (source.split,))[0].with_format("arrow")
-        chunks = (batch.column(column) for batch in table.iter(ROWS_PER_READ))
-        yield from _row_pieces(chunks, table.num_rows, source.size)
+    elif source.kind in ("parquet", "dataset"):
+        yield from _row_pieces(*column_chunks(source, column), source.size)
     else:
         for text in _python_docs_topics():
             yield from _in_pieces(text, advance_total=len(text.encode("utf-8")))
 
 
-def _rows_of(source: Source) -> int:
-    parquet = require("pyarrow.parquet", "hf", "reading parquet files")
-    return parquet.ParquetFile(source.path).metadata.num_rows
+def column_chunks(source: Source, column: str) -> tuple[Iterator[Any], int]:
+    """A parquet file's or saved dataset's `column` as Arrow arrays of ROWS_PER_READ rows (read
+    as they are needed), and its number of rows."""
+    if source.kind == "parquet":
+        parquet = require("pyarrow.parquet", "hf", "reading parquet files")
+        file = parquet.ParquetFile(source.path)
+        batches = file.iter_batches(ROWS_PER_READ, columns=[column])
+        return (b.column(0) for b in batches), file.metadata.num_rows
+    table = _load_dataset(source.path, (source.split,))[0].with_format("arrow")
+    return (batch.column(column) for batch in table.iter(ROWS_PER_READ)), table.num_rows
 
 
 def _row_pieces(chunks: Iterator[Any], rows: int, size: int) -> Iterator[Piece]:

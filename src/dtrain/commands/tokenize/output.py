@@ -30,22 +30,24 @@ BYTES_COUNTED = (
     "UTF-8 bytes of the documents' text, plus 1 for each end-of-text token; where the "
     "held-out cut divides a document, each side counts the bytes of its own tokens"
 )
-SHARD_PATTERNS = (
+_TOKEN_PATTERNS = (
     *(names.token_file(s) for s in names.TOKEN_SPLITS),
     *(names.token_shards(s) for s in names.TOKEN_SPLITS),
-    names.TOKEN_META,
 )
+# Masks included: a stale mask left beside a new run's token files would mask them.
+SHARD_PATTERNS = (*_TOKEN_PATTERNS, *map(names.loss_mask, _TOKEN_PATTERNS), names.TOKEN_META)
 
 
 @dataclass
 class Split:
-    """What was written for one split: tokens, bytes (as BYTES_COUNTED says), documents, and
-    the text bytes each input gave."""
+    """What was written for one split: tokens, bytes (as BYTES_COUNTED says), documents, the
+    tokens a loss mask counts (of conversations), and the text bytes each input gave."""
 
     tokens: int = 0
     bytes: int = 0
     documents: int = 0
     text_of: dict[str, int] = field(default_factory=dict)
+    counted: int = 0
 
 
 class Progress:
@@ -61,8 +63,13 @@ class Progress:
         self.read = self.text = self.tokens = 0
 
     def add(self, pieces_read: list[Piece], tokens: int) -> None:
-        self.read += sum(p.advance for p in pieces_read)
-        self.text += sum(p.nbytes for p in pieces_read)
+        read = sum(p.advance for p in pieces_read)
+        self.count(read, sum(p.nbytes for p in pieces_read), tokens)
+
+    def count(self, read: int, text: int, tokens: int) -> None:
+        """`read` more bytes of the input read, holding `text` bytes of text, made `tokens`."""
+        self.read += read
+        self.text += text
         self.tokens += tokens
         now = time.monotonic()
         if now - self.shown >= (self.REDRAW_S if self.tty else self.EVERY_S):
@@ -181,17 +188,22 @@ def hold_out(
     else:
         before = text_bytes * (cut - start_tokens) // max(1, text_tokens)
     train_bytes = start_bytes + min(before, text_bytes)
-    itemsize = np.dtype(dtype).itemsize
-    with open(train_path, "r+b") as source, open(val_path, "wb") as target:
-        source.seek(cut * itemsize)
-        shutil.copyfileobj(source, target, 16 << 20)
-        source.truncate(cut * itemsize)
-        sync(source)
-        sync(target)
+    move_tail(train_path, val_path, cut * np.dtype(dtype).itemsize)
     del marks
     val = Split(val_tokens, train.bytes - train_bytes, train.documents - k, {})
     train.tokens, train.bytes, train.documents = cut, train_bytes, k + (cut > start_tokens)
     return val
+
+
+def move_tail(source_path: str, target_path: str, offset: int) -> None:
+    """Move the bytes of the file at `source_path` from `offset` on into a new file at
+    `target_path`, both synced."""
+    with open(source_path, "r+b") as source, open(target_path, "wb") as target:
+        source.seek(offset)
+        shutil.copyfileobj(source, target, 16 << 20)
+        source.truncate(offset)
+        sync(source)
+        sync(target)
 
 
 def sync(f: BinaryIO) -> None:
