@@ -331,14 +331,15 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "--out",
         metavar="PATH",
         required=True,
-        help="the file (safetensors: or its folder; hf: a new folder)",
+        help="the file (safetensors: or its folder; hf, peft: a new folder)",
     )
     p.add_argument(
         "--format",
-        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf"),
+        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft"),
         default="state_dict",
         help="onnx and safetensors need the 'export' extra, hf (a Hugging Face model's folder) "
-        "the 'transformers' extra (default state_dict)",
+        "the 'transformers' extra, peft (a LoRA run's adapters) the 'peft' extra; a LoRA run's "
+        "other formats hold the merged model (default state_dict)",
     )
     p.add_argument("--weights", choices=("model", "ema"), default="model")
     p.add_argument(

@@ -33,9 +33,13 @@ from dtrain.checkpoint.load import (
     ConfigChanged,
     apply_full,
     apply_sharded,
+    check_base,
     check_config,
     local_folder,
+    model_state,
     open_checkpoint,
+    state_options,
+    trained_shapes,
 )
 from dtrain.checkpoint.state import (
     DCP_DIR,
@@ -94,15 +98,17 @@ class Checkpointer:
         parts: Mapping[str, Stateful],
         model_info: dict[str, Any],
         ema: EmaWeights | None = None,
+        adapters_only: bool = False,
     ) -> None:
         """`ckpt` is the config's checkpoint section, `seed` the run's, `config` the whole resolved
         config as data (saved in every checkpoint; a resume compares it with the saved one).
         `state` says where the run is (it names the checkpoints); `parts` are the other pieces
         a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name;
-        `ema` the averaged weights (train.ema), saved beside the model's, sharded alike."""
+        `ema` the averaged weights (train.ema), saved beside the model's, sharded alike.
+        `adapters_only` (LoRA): the frozen base's weights are not saved, nor read back."""
         self.ckpt, self.seed, self.config = ckpt, seed, config
         self.store, self.model, self.optimizer = store, model, optimizer
-        self.ema = ema
+        self.ema, self.adapters_only = ema, adapters_only
         self.state, self.parts = state, dict(parts)
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
         self.device = layout.device
@@ -129,7 +135,7 @@ class Checkpointer:
         # (The module's own state_dict has the names and global shapes the distributed
         # state-dict API uses; importing that API costs half a second, not to be paid before
         # the first step of a fresh start.)
-        self._shapes = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+        self._shapes = trained_shapes(unwrap(model), adapters_only)
         self._full_data: dict[str, Any] | None = None
         # This node's copy of a store's checkpoint, to resume (by host: nodes may share a disk).
         self._fetched = os.path.join(store.dir, f"{FETCHED_PREFIX}{socket.gethostname()}")
@@ -142,11 +148,7 @@ class Checkpointer:
         """Save at the current step. With ckpt.async the write continues in the background."""
         self.wait()
         state = self.state
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         ckpt = self.ckpt
         # Only a checkpoint of the evaluated weights carries the metric (and competes for best).
@@ -176,17 +178,13 @@ class Checkpointer:
             "metric": ckpt.monitor,
             "value": value,
         }
-        if self.format == "full":
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            payload = {
-                "model": get_model_state_dict(self.model, options=options),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
-            }
-        else:
-            payload = {
-                "model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            }
+        full = self.format == "full"
+        payload = {
+            "model": model_state(self.model, full, self.adapters_only),
+            "optimizer": get_optimizer_state_dict(
+                self.model, self.optimizer, options=state_options(full, self.adapters_only)
+            ),
+        }
         if self.ema is not None:
             payload["ema"] = self.ema.state_dict(full=self.format == "full")
         self._before_save = self.last_saved_step
@@ -448,15 +446,16 @@ class Checkpointer:
         try:
             folder, fmt, meta = dist.on_main(read)
             folder = local if shown else folder
+            check_base(meta["model_info"], self.model_info, shown or folder)
             self.config_changes = check_config(
                 meta.get("config", {}), self.config, self.ckpt, shown or folder
             )
             # The average is read with the rest and taken only after the rest was applied.
             ema = self.ema.staging(folder, fmt, self._full_data, self.device) if self.ema else None
             if fmt == "full":
-                apply_full(self.model, self.optimizer, self._full_data, folder)
+                apply_full(self.model, self.optimizer, self._full_data, folder, self.adapters_only)
             else:
-                apply_sharded(self.model, self.optimizer, folder, ema)
+                apply_sharded(self.model, self.optimizer, folder, ema, self.adapters_only)
             if self.ema is not None:
                 self.ema.apply(ema)
         except UserError as e:  # a damaged file of a store's checkpoint: named by its URL

@@ -19,6 +19,7 @@ from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_fil
 from dtrain.files.objstore import is_url
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.resume_policy import is_length_change, training_differences
+from dtrain.parallel import unwrap
 from dtrain.process import dist
 from dtrain.process.compat import tree_map_tensors
 
@@ -75,6 +76,60 @@ def check_config(
     return every
 
 
+def check_base(saved_info: dict[str, Any], info: dict[str, Any], folder: str) -> None:
+    """A LoRA checkpoint holds adapters trained on one base model (`lora_base` in the model
+    info: where its weights came from and their digest); on another base they mean nothing, so
+    a changed base ends the start (exit 2), as a changed config does."""
+    saved, now = saved_info.get("lora_base"), info.get("lora_base")
+    if saved is None and now is None:
+        return
+    if saved is None or now is None:
+        what = "a LoRA run's adapters" if saved is not None else "a model without LoRA"
+        raise ConfigChanged(
+            f"checkpoint error: {folder} holds {what}, and this run's model.lora says "
+            f"otherwise; start anew with ckpt.resume=none or another run.name"
+        )
+    if saved.get("digest") != now.get("digest"):
+        raise ConfigChanged(
+            f"checkpoint error: {folder}: its LoRA adapters were trained on the base "
+            f"{saved.get('weights')} (digest {saved.get('digest')}), and {now.get('weights')} now "
+            f"has digest {now.get('digest')}: the base changed; name the base the adapters were "
+            f"trained on (model.name, model.init_from)"
+        )
+
+
+def state_options(full: bool, adapters_only: bool = False, **options: Any) -> Any:
+    """How a checkpoint's model and optimizer state are taken or given: whole on rank 0 (`full`,
+    in CPU memory) or as each rank's shards; for LoRA (`adapters_only`) without the frozen base,
+    which comes from where it came from at the start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if full:
+        options.setdefault("cpu_offload", True)
+    return StateDictOptions(full_state_dict=full, ignore_frozen_params=adapters_only, **options)
+
+
+def model_state(model: nn.Module, full: bool, adapters_only: bool, **options: Any) -> Any:
+    """The model's state as a checkpoint holds it (`state_options`). Without the frozen base,
+    a tied weight goes too: the distributed state-dict API leaves out only its first name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=state_options(full, adapters_only, **options))
+    frozen = _frozen_names(unwrap(model)) if adapters_only else set()
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def _frozen_names(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_shapes(model: nn.Module, adapters_only: bool) -> dict[str, tuple[int, ...]]:
+    """The names and full shapes of what a checkpoint of `model` holds (the module's own
+    state_dict has the names and global shapes the distributed state-dict API uses)."""
+    frozen = _frozen_names(model) if adapters_only else set()
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in frozen}
+
+
 def local_folder(path: str, into: str, options: dict[str, Any]) -> str:
     """`path` itself, or for a checkpoint in an object store its local copy below `into` (of a
     full checkpoint, only rank 0 reads the files; the others the marker)."""
@@ -90,17 +145,23 @@ def apply_full(
     optimizer: torch.optim.Optimizer | None,
     data: dict[str, Any] | None,
     folder: str,
+    adapters_only: bool = False,
 ) -> None:
     """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast.
     Without an optimizer (evaluation), the model's weights only."""
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     data = data or {"model": {}, "optimizer": {}}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_distributed())
+    options = state_options(
+        True,
+        adapters_only,
+        cpu_offload=False,
+        strict=not adapters_only,
+        broadcast_from_rank0=dist.is_distributed(),
+    )
     try:
         set_model_state_dict(model, data["model"], options=options)
         if optimizer is not None:
@@ -115,27 +176,29 @@ def apply_sharded(
     optimizer: torch.optim.Optimizer | None,
     folder: str,
     extra: dict[str, Any] | None = None,
+    adapters_only: bool = False,
 ) -> None:
     """Read every shard into new tensors first; apply them only when all were read. `extra`
     (tensors by part name, e.g. the EMA weights) is filled by the same read, for the caller to
     apply. Without an optimizer (evaluation), the model's weights only."""
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    staged = {"model": tree_map_tensors(torch.empty_like, get_model_state_dict(model))}
+    options = state_options(False, adapters_only, strict=not adapters_only)
+    own = model_state(model, False, adapters_only, strict=not adapters_only)
+    staged = {"model": tree_map_tensors(torch.empty_like, own)}
     if optimizer is not None:
-        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
         staged["optimizer"] = tree_map_tensors(torch.empty_like, optimizer_state)
     staged.update(extra or {})
     ckpt_state.read_sharded(folder, staged)
-    set_model_state_dict(model, staged["model"])
+    set_model_state_dict(model, staged["model"], options=options)
     if optimizer is not None:
         with _own_implementation(optimizer):
-            set_optimizer_state_dict(model, optimizer, staged["optimizer"])
+            set_optimizer_state_dict(model, optimizer, staged["optimizer"], options=options)
 
 
 # How the optimizer computes its step, not what it learned: chosen for this run's placement (a

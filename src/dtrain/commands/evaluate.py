@@ -30,7 +30,13 @@ from typing import Any
 from torch import nn
 
 from dtrain import config, data
-from dtrain.checkpoint.load import apply_full, apply_sharded, local_folder, open_checkpoint
+from dtrain.checkpoint.load import (
+    apply_full,
+    apply_sharded,
+    local_folder,
+    open_checkpoint,
+    trained_shapes,
+)
 from dtrain.checkpoint.state import (
     FULL_FILE,
     META_FILE,
@@ -44,6 +50,7 @@ from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
 from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
 from dtrain.loop import evaluation
+from dtrain.models import lora
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.parallel import unwrap
 from dtrain.process import dist
@@ -51,6 +58,7 @@ from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout
 from dtrain.run.pieces import EvalPieces, build_eval_pieces
+from dtrain.run.weights import prepare_base
 
 EVALS = names.EVALS
 
@@ -200,13 +208,15 @@ def fetched(chosen: Chosen, into: str, options: dict[str, Any]) -> Chosen:
     return dataclasses.replace(chosen, folder=local, file=file)
 
 
-def load_weights(model: nn.Module, chosen: Chosen) -> None:
+def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
     """The checkpoint's model weights into `model` (wrapped for this launch), by the functions a
     resume loads them with (`checkpoint.load`): a full checkpoint is read by rank 0
     (memory-mapped) and sent to the ranks, each its part; a sharded one is read by every rank,
     its own part, through DCP. A checkpoint of another model is refused with resuming's line
-    before anything is loaded."""
-    ours = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+    before anything is loaded; a LoRA checkpoint's adapters go onto their base, checked by its
+    digest, as resuming does."""
+    adapters_only = lora.enabled(cfg.model)
+    ours = trained_shapes(unwrap(model), adapters_only)
 
     def refuse_other_model(theirs: dict[str, tuple[int, ...]]) -> None:
         problem = shape_mismatch(ours, theirs)
@@ -216,7 +226,7 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
     if chosen.fmt == "full":
         held: dict[str, Any] = {}  # rank 0's memory-mapped weights; never broadcast whole
 
-        def read() -> None:
+        def read() -> dict[str, Any]:
             assert chosen.file is not None
             saved = load_checked(chosen.file, mmap=True)
             weights = saved.get("model")
@@ -226,18 +236,24 @@ def load_weights(model: nn.Module, chosen: Chosen) -> None:
                 )
             refuse_other_model({k: tuple(v.shape) for k, v in weights.items()})
             held["model"] = weights
+            return dict(saved.get("model_info") or {})
 
-        dist.on_main(read)
-        apply_full(model, None, held or None, chosen.folder)
+        prepare_base(model, cfg, dist.on_main(read), chosen.shown)
+        apply_full(model, None, held or None, chosen.folder, adapters_only)
         return
-    dist.on_main(lambda: refuse_other_model(dcp_model_shapes(chosen.folder)))
+
+    def read_sharded() -> dict[str, Any]:
+        refuse_other_model(dcp_model_shapes(chosen.folder))
+        return dict(load_checked(os.path.join(chosen.folder, META_FILE)).get("model_info") or {})
+
+    prepare_base(model, cfg, dist.on_main(read_sharded), chosen.shown)
     try:
         with warnings.catch_warnings():
             # DCP's note that one process reads alone: what evaluating in one process means.
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single"
             )
-            apply_sharded(model, None, chosen.folder)
+            apply_sharded(model, None, chosen.folder, adapters_only=adapters_only)
     except UserError:
         if not os.path.isdir(chosen.folder):
             raise UserError(
@@ -384,7 +400,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
             dist.on_main(lambda: check_ema(chosen))
         pieces = build_eval_pieces(cfg, layout, StartupClock())
         val_loader = pieces.val_loader
-        load_weights(pieces.model, chosen)
+        load_weights(pieces.model, chosen, cfg)
         if args.weights == "ema":
             from dtrain.loop import ema
 

@@ -1,5 +1,6 @@
 """The run configuration: YAML plus dotted overrides into nested dataclasses, checked strictly.
-The sections and keys are declared, with their docs, in `schema` (the `data` section in `data`).
+The sections and keys are declared, with their docs, in `schema` (`data` and `model` in
+their own modules).
 
 Every problem is a `UserError` naming the key, raised before any process group exists and
 before anything is written, so a bad config costs nothing.
@@ -17,6 +18,7 @@ from typing import Any, Union
 import yaml
 
 from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
+from dtrain.config.model import LoraConfig, ModelConfig
 from dtrain.config.schema import (
     DEFAULT_RUN_NAME,
     CkptConfig,
@@ -27,7 +29,6 @@ from dtrain.config.schema import (
     EmaConfig,
     FSDPConfig,
     LogConfig,
-    ModelConfig,
     OptimConfig,
     ParallelConfig,
     ProfileConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "EmaConfig",
     "FSDPConfig",
     "LogConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

@@ -24,6 +24,7 @@ from dtrain.config.fields import (
     POSITIVE,
     option,
 )
+from dtrain.config.model import ModelConfig
 from dtrain.core.urls import is_url, join, staging_dir
 
 # The name of a run started without a config file, a SLURM job or run.name.
@@ -152,46 +153,6 @@ class TaskConfig:
     )
     args: dict = option(
         {}, doc="keyword arguments for a built-in task; a user's builder gets the whole task config"
-    )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The network and where its first weights come from; see [Data and models](data.md)."""
-
-    name: str = option(
-        "simple_cnn",
-        doc="a built-in model, `tv:NAME` (a torchvision classifier), `timm:NAME`, `hf:PATH` "
-        "(a Hugging Face model folder or cached model id, with its weights), `hf-config:PATH` "
-        "(its architecture, fresh weights), or a user's `module:function` called with this "
-        "config",
-    )
-    num_classes: int | None = option(None, check=AT_LEAST_ONE, doc="default: from the dataset")
-    args: dict = option(
-        {},
-        doc="keyword arguments for the model builder, e.g. `{width: 32}`; for `hf:` models, "
-        "fields of its config.json to override",
-    )
-    activation_checkpointing: bool = option(
-        False, doc="recompute each block's activations in backward"
-    )
-    compile: bool = option(False, doc="`torch.compile` each block (each FSDP unit)")
-    channels_last: bool = option(False, doc="channels-last memory format for model and inputs")
-    init_from: str | None = option(
-        None,
-        doc="start from these weights: a dtrain checkpoint, an exported state_dict, "
-        "a torchvision `.pth`",
-    )
-    init_exclude: list = option(
-        [], doc="globs of weights left at their initial values, e.g. `[fc.*]`"
-    )
-    init_strict: bool = option(
-        True, doc="every other weight must be in `init_from`, with its shape"
-    )
-    pretrained: bool = option(
-        False,
-        doc="`tv:` models: torchvision's weights from the local torch hub cache; `timm:` "
-        "models: timm's from the local Hugging Face cache (never downloaded at run time)",
     )
 
 

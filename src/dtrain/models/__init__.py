@@ -18,6 +18,7 @@ from torch import nn
 from dtrain.config import ModelConfig, registry
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable, require
+from dtrain.models import lora
 
 
 class ConvBlock(nn.Sequential):
@@ -251,18 +252,24 @@ def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:
 
 def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
     """The model named by `model.name` (see registry.MODELS), initialised identically on every
-    rank from `seed`. `info` is what the datasets say (number of classes, channels, image size,
-    vocabulary, ...)."""
+    rank from `seed`, with LoRA adapters when model.lora.r is set. `info` is what the datasets
+    say (number of classes, channels, image size, vocabulary, ...)."""
     builder = registry.MODELS.builder(cfg.name)
     torch.manual_seed(seed)
     try:
-        return builder(cfg, info)
+        model = builder(cfg, info)
     except (TypeError, ValueError, RuntimeError, ArithmeticError) as e:
         # A builder's (or torch's) refusal of a value: the config's, one line naming the key.
         raise UserError(
             f"config error: model.args: {cfg.name} cannot be built with {cfg.args} "
             f"({first_line(e)})"
         ) from None
+    if lora.enabled(cfg):
+        # The adapters' initialisation is seeded on its own: what building the base drew from
+        # the generator depends on how it was built (from a file, shard by shard, ...).
+        torch.manual_seed(seed)
+        model = lora.apply(model, cfg, cfg.num_classes or info.get("num_classes"))
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

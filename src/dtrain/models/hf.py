@@ -146,6 +146,15 @@ def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tu
 def check_weights(name: str, folder: str) -> None:
     """The folder's safetensors files are there and whole (each at least as long as its header
     says): a truncated download is one line naming the file, before anything is loaded."""
+    for file in weight_files(name, folder):
+        path = os.path.join(folder, file)
+        problem = _safetensors_problem(path)
+        if problem:
+            raise UserError(f"config error: model.name: {name}: {path} {problem}")
+
+
+def weight_files(name: str, folder: str) -> list[str]:
+    """The names of the folder's safetensors files: one, or the shards its index lists."""
     index = os.path.join(folder, WEIGHTS_INDEX)
     if os.path.isfile(index):
         try:
@@ -163,11 +172,7 @@ def check_weights(name: str, folder: str) -> None:
             f"{WEIGHTS_INDEX}; save the model with save_pretrained (safetensors), or use "
             f"hf-config:{name.split(':', 1)[1]} to start from fresh weights"
         )
-    for file in files:
-        path = os.path.join(folder, file)
-        problem = _safetensors_problem(path)
-        if problem:
-            raise UserError(f"config error: model.name: {name}: {path} {problem}")
+    return files
 
 
 def _safetensors_problem(path: str) -> str:

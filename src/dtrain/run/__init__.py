@@ -27,6 +27,7 @@ from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Callbacks, Trainer
+from dtrain.models import lora
 from dtrain.observe import (
     RunLog,
     StartupClock,
@@ -45,6 +46,7 @@ from dtrain.process.layout import Layout, Steps
 from dtrain.run import records
 from dtrain.run.mirror import RecordMirror
 from dtrain.run.pieces import Pieces, build_pieces
+from dtrain.run.weights import base_identity
 
 
 def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> Config:
@@ -242,6 +244,7 @@ def _train(
     parts.update(pieces.precision.checkpoint_parts())
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, model)  # None unless train.ema.decay is set
+    adapters_only = lora.enabled(cfg.model)
     checkpoints = checkpoint.Checkpointer(
         ckpt=cfg.ckpt,
         seed=cfg.run.seed,
@@ -252,15 +255,21 @@ def _train(
         optimizer=optimizer,
         state=state,
         parts=parts,
-        model_info=models.model_info(cfg.model, pieces.datasets.info),
+        model_info={
+            **models.model_info(cfg.model, pieces.datasets.info),
+            **base_identity(cfg.model, cfg.run.seed, pieces.starting_weights),
+        },
         ema=ema,
+        adapters_only=adapters_only,
     )
+    if pieces.starting_weights and adapters_only:  # a LoRA checkpoint holds no base weights
+        log.info(pieces.starting_weights.load(model))
     resumed = checkpoints.resume()
     if resumed:
         _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
-        if pieces.starting_weights:
+        if pieces.starting_weights and not adapters_only:
             log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
-    elif pieces.starting_weights:
+    elif pieces.starting_weights and not adapters_only:
         log.info(pieces.starting_weights.load(model))
     # Every check has passed (a resume refused for a changed config ends above): the run's
     # record and its config.yaml are written only now.

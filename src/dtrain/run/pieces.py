@@ -17,6 +17,7 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError, first_line
 from dtrain.data.sampler import epoch_steps
 from dtrain.loop.ema import monitored_metric
+from dtrain.models import lora
 from dtrain.observe import StartupClock
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, rng
@@ -129,6 +130,8 @@ def _model_and_task(
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
     wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
     notes += model_notes
+    if lora.enabled(cfg.model):
+        notes.append(lora.describe(cfg.model, wrapped))
     clock.mark("model and wrap")
     _check_task(cfg, layout, task, wrapped, precision, val_loader, datasets.on_device)
     if layout.is_fsdp:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from dtrain import models
+from dtrain.checkpoint.load import check_base
 from dtrain.checkpoint.state import (
     FULL_FILE,
     dcp_model_shapes,
@@ -26,13 +28,15 @@ from dtrain.checkpoint.state import (
     read_sharded,
     shape_mismatch,
 )
-from dtrain.config import ModelConfig
+from dtrain.config import Config, ModelConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.core.urls import is_url
+from dtrain.files.digests import file_digest, new_hash
 from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.store import read_marker
+from dtrain.models import hf, lora
 from dtrain.process import dist
 
 if TYPE_CHECKING:
@@ -130,7 +134,10 @@ class StartingWeights:
         if self.url:
             self.fetched_into = tempfile.mkdtemp(prefix="dtrain-init-from-")
             self.path = _fetched(self.path, self.fetched_into, options)
-        ours = _model_tensors(model)
+        # A LoRA model's tensors by their base model's names (the file's); its adapters start
+        # from their own initialisation.
+        self.names = _base_names(model, cfg)
+        ours = {self.names[k]: v for k, v in _model_tensors(model).items() if k in self.names}
         self.excluded = {k for k in ours if self._excluded(k)}
         shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
         folder = self.path if os.path.isdir(self.path) else None
@@ -180,19 +187,20 @@ class StartingWeights:
             if self.sharded_folder is not None:
                 staged: dict[str, dict[str, ValueType]] = {
                     "model": {
-                        k: torch.empty_like(v)
+                        self.names[k]: torch.empty_like(v)
                         for k, v in _model_tensors(model).items()
-                        if k not in self.excluded
+                        if self.names.get(k) not in self.excluded | {None}
                     }
                 }
                 read_sharded(self.sharded_folder, staged)
-                set_model_state_dict(model, staged["model"], options=StateDictOptions(strict=False))
+                weights = self._by_model_names(staged["model"])
+                set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
             else:
                 options = StateDictOptions(
                     full_state_dict=True, strict=False, broadcast_from_rank0=dist.is_distributed()
                 )
                 # Tensors are state values; the cast only widens the dict's declared value type.
-                weights = cast("dict[str, ValueType]", self.weights or {})
+                weights = self._by_model_names(cast("dict[str, ValueType]", self.weights or {}))
                 set_model_state_dict(model, weights, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             raise UserError(
@@ -211,6 +219,76 @@ class StartingWeights:
             else ""
         )
         return f"initial weights from {self.shown}: {self.count} tensors{left}"
+
+    def _by_model_names(self, weights: dict[str, ValueType]) -> dict[str, ValueType]:
+        """`weights` by the model's names (a LoRA model may hold one base tensor twice: the
+        frozen original of a module trained in full, and its trained copy)."""
+        return {ours: weights[base] for ours, base in self.names.items() if base in weights}
+
+    def identity(self) -> dict[str, str]:
+        """Where the weights are and their digest: a file's own, or a checkpoint's marker's
+        (which holds every file's digest)."""
+        marker = read_marker(self.sharded_folder) if self.sharded_folder else None
+        if marker is not None:
+            return {"weights": self.shown, "digest": str(marker.get("marker_digest", ""))}
+        return {"weights": self.shown, "digest": file_digest(self.path)}
+
+
+def _base_names(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
+    """Each of the model's tensor names and its name in the base model (the same, unless LoRA
+    wraps the model)."""
+    named = _model_tensors(model)
+    if not lora.enabled(cfg):
+        return {k: k for k in named}
+    return {k: base for k in named if (base := lora.base_name(k)) is not None}
+
+
+def base_identity(
+    cfg: ModelConfig, seed: int, starting: StartingWeights | None
+) -> dict[str, dict[str, str]]:
+    """For a LoRA run, what its frozen base is (`lora_base`: where the weights come from, and
+    their digest), saved in its checkpoints and checked wherever they are read; else nothing.
+    Computed on rank 0 (reading the weights once) and given to every rank."""
+    if not lora.enabled(cfg):
+        return {}
+
+    def identity() -> dict[str, str]:
+        if starting is not None:
+            return starting.identity()
+        if cfg.name.startswith("hf:"):
+            folder = hf.resolve(cfg.name)
+            files = hf.weight_files(cfg.name, folder)
+            digest = new_hash()
+            for file in files:
+                digest.update(f"{file} {file_digest(os.path.join(folder, file))}\n".encode())
+            return {"weights": folder, "digest": str(digest.hexdigest())}
+        # Fresh weights (the builder's initialisation from run.seed): the config says them.
+        return {"weights": f"{cfg.name} initialised from run.seed {seed}", "digest": f"seed {seed}"}
+
+    return {"lora_base": dist.on_main(identity)}
+
+
+def prepare_base(model: nn.Module, cfg: Config, saved_info: dict[str, Any], where: str) -> None:
+    """Before a LoRA checkpoint's adapters are loaded outside training (`dtrain eval`,
+    `export`): the base they were trained on, checked by its digest against the checkpoint's
+    `where` (exit 2 when it changed), with its weights from model.init_from / pretrained."""
+    if not lora.enabled(cfg.model):
+        return
+    uses_file = bool(cfg.model.init_from or cfg.model.pretrained)
+    starting = StartingWeights(model, cfg.model, cfg.run.storage_options) if uses_file else None
+    check_base(saved_info, base_identity(cfg.model, cfg.run.seed, starting), where)
+    if starting is not None:
+        starting.load(model)
+
+
+def base_model(cfg: Config, info: dict[str, Any]) -> nn.Module:
+    """A LoRA run's base as a plain model (no adapters): built as the run builds it, with
+    model.init_from / pretrained's weights loaded (outside training: one process)."""
+    plain = lora.without(cfg).model
+    model = models.build(plain, info, cfg.run.seed)
+    if plain.init_from or plain.pretrained:
+        StartingWeights(model, plain, cfg.run.storage_options).load(model)
+    return model.eval()
 
 
 def _fetched(url: str, into: str, options: dict[str, Any] | None) -> str:

@@ -25,14 +25,18 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, config, models, tasks
-from dtrain.checkpoint.state import load_checked, read_sharded
+from dtrain.checkpoint.load import trained_shapes
+from dtrain.checkpoint.state import load_checked, read_sharded, shape_mismatch
 from dtrain.commands.export.check import difference, report
-from dtrain.core.errors import UserError, first_line
+from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
+from dtrain.models import lora
+from dtrain.run.weights import prepare_base
 
-FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf")
+FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft")
 WEIGHTS = ("model", "ema")
+FOLDERS = ("hf", "peft")  # formats that write a folder of files
 # Uploaded last, after the files beside them (safetensors' config): an export interrupted in the
 # upload has no new weights beside an old config.
 WEIGHT_FILES = (".safetensors", ".onnx", ".pt", ".pth")
@@ -105,31 +109,40 @@ def names_below(folder: str) -> list[str]:
     ]
 
 
-def load_model(path: str, weights: str = "model") -> tuple[nn.Module, dict]:
+def load_model(path: str, weights: str = "model", adapters: bool = False) -> tuple[nn.Module, dict]:
     """The model of the checkpoint at `path` (a checkpoint directory or its checkpoint.pt), in
     eval mode on the CPU, and the checkpoint's metadata; with `weights` "ema", holding the
     checkpoint's moving average of the weights. Every file read is checked against the marker's
-    digests: a damaged checkpoint is refused (exit 2), not exported."""
+    digests: a damaged checkpoint is refused (exit 2), not exported. A LoRA run's adapters go
+    onto their base (checked by its digest), then are merged into it: the model and the config
+    in `meta` are the base's; with `adapters`, the model keeps them apart (peft's model)."""
     folder, fmt = checkpoint.open_checkpoint(path)
     sharded = fmt == "sharded"
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
     meta = load_checked(path if os.path.isfile(path) else meta_path)
     cfg = config.from_dict(meta["config"])
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+    adapters_only = lora.enabled(cfg.model)
+    prepare_base(model, cfg, meta["model_info"], path)
+    held = trained_shapes(model, adapters_only)
     if sharded:
-        state = {"model": model.state_dict()}
+        state = {"model": {k: v for k, v in model.state_dict().items() if k in held}}
         with _one_process():
             read_sharded(folder, state)
         saved = state["model"]
     else:
         saved = meta["model"]
-    try:
-        model.load_state_dict(saved)
-    except RuntimeError as e:
-        raise UserError(f"checkpoint error: {path}: {first_line(e)}") from None
+    problem = shape_mismatch(held, {k: tuple(v.shape) for k, v in saved.items()})
+    if problem:
+        raise UserError(f"checkpoint error: {path}: {problem}")
+    model.load_state_dict(saved, strict=not adapters_only)
     if weights == "ema":
         with _one_process():
             _load_ema(model, folder)
+    if adapters_only and not adapters:
+        merged: Any = model
+        model = merged.merge_and_unload()
+        meta = {**meta, "config": config.to_dict(lora.without(cfg))}
     return model.float().eval(), meta
 
 
@@ -186,6 +199,8 @@ def _required(fmt: str) -> None:
         require(module, "export", f"dtrain export --format {fmt} ({module})")
     if fmt == "hf":
         require("transformers", "transformers", "dtrain export --format hf")
+    if fmt == "peft":
+        require("peft", "peft", "dtrain export --format peft")
 
 
 def export(
@@ -208,14 +223,14 @@ def export(
             f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"
         )
-    if fmt == "hf" and (os.path.isfile(out) or os.path.isdir(out) and os.listdir(out)):
+    if fmt in FOLDERS and (os.path.isfile(out) or os.path.isdir(out) and os.listdir(out)):
         raise UserError(
-            f"export error: --out {out} already exists; --format hf writes a new folder: name "
-            f"one that is not there (or empty)"
+            f"export error: --out {out} already exists; --format {fmt} writes a new folder: "
+            f"name one that is not there (or empty)"
         )
-    if fmt not in ("safetensors", "hf") and os.path.isdir(out):
+    if fmt not in ("safetensors", *FOLDERS) and os.path.isdir(out):
         raise UserError(f"export error: --out {out} is a directory; name the file to write")
-    model, meta = load_model(path, weights)
+    model, meta = load_model(path, weights, adapters=fmt == "peft")
     shown = shown or path
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     # Written beside the final files under a hidden name, checked, then renamed into place: a
@@ -260,6 +275,11 @@ def _write(
 
         hf_folder.check_model(meta)
         return hf_folder.export(model, meta, what, out, example_input(meta))
+    if fmt == "peft":
+        from dtrain.commands.export import peft_folder
+
+        peft_folder.check_model(meta)
+        return peft_folder.export(model, meta, what, out, example_input(meta))
     return _export_torch(model, meta, what, out, fmt)
 
 

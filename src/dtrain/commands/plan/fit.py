@@ -26,6 +26,7 @@ from dtrain.commands.plan import facts as plan_facts
 from dtrain.commands.plan import footprint
 from dtrain.config import Config
 from dtrain.core.errors import UserError
+from dtrain.models import lora
 
 MIB = 2**20
 # Anonymous memory of one rank that no setting changes: the interpreter, torch and its CPU
@@ -327,6 +328,10 @@ def _suggestion(cfg: Config, fits: dict[str, Fit], nproc: int, nnodes: int, limi
     )
 
 
+def _as_json(f: Fit) -> dict[str, Any]:
+    return {"fits": f.fits, "peak_bytes_per_rank": f.peak_bytes_per_rank, "largest": f.largest}
+
+
 def render(cfg: Config, nproc: int | None, nnodes: int, limit: int, grow: str, fmt: str) -> str:
     """The fit of every mode as text (with a suggestion) or as JSON."""
     import json
@@ -334,37 +339,40 @@ def render(cfg: Config, nproc: int | None, nnodes: int, limit: int, grow: str, f
     if nproc is None:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     fits = fit(cfg, nproc, nnodes, limit, grow)
+    # A LoRA run's frontier beside full fine-tuning's: what freezing the base buys.
+    full = fit(lora.without(cfg), nproc, nnodes, limit, grow) if lora.enabled(cfg.model) else {}
     if fmt == "json":
-        return json.dumps(
-            {
-                mode: {
-                    "fits": f.fits,
-                    "peak_bytes_per_rank": f.peak_bytes_per_rank,
-                    "largest": f.largest,
-                }
-                for mode, f in fits.items()
-            }
-        )
+        shown = {mode: _as_json(f) for mode, f in fits.items()}
+        if full:
+            shown["full_fine_tuning"] = {mode: _as_json(f) for mode, f in full.items()}
+        return json.dumps(shown)
     chosen = _chosen(cfg)
+    rows = [(mode, f, "  <- this run" if mode == chosen else "") for mode, f in fits.items()]
+    if full:
+        rows = [(f"LoRA {mode}", f, mark) for mode, f, mark in rows]
+        rows += [(f"full {mode}", f, "") for mode, f in full.items()]
+    width = max(9, *(len(mode) + 2 for mode, _, _ in rows))
     grown = f"  largest {grow}" if grow else ""
     lines = [
         f"dtrain plan: memory for the whole job on one node, limit {plan.size_text(limit)} "
         f"({nproc} rank(s), torchrun's agent, the pages the kernel charges the job)",
-        f"  {'mode':9}{'fits':6}{'peak per rank':>15}{'job':>12}{grown}",
+        f"  {'mode':{width}}{'fits':6}{'peak per rank':>15}{'job':>12}{grown}",
     ]
-    for mode, f in fits.items():
+    for mode, f, mark in rows:
         largest = "" if not grow else f"  {f.largest if f.largest is not None else 'any'}"
-        mark = "  <- this run" if mode == chosen else ""
+        peak = plan.size_text(f.peak_bytes_per_rank)
         lines.append(
-            f"  {mode:9}{'yes' if f.fits else 'no':6}{plan.size_text(f.peak_bytes_per_rank):>15}"
+            f"  {mode:{width}}{'yes' if f.fits else 'no':6}{peak:>15}"
             f"{plan.size_text(f.job_bytes):>12}{largest}{mark}"
         )
     lines.append(
         "per rank (MiB; the peak adds them up, but under FSDP the gradients, freed at every "
         "zero_grad, and the activations take turns: the larger of the two counts):"
     )
-    for mode, f in fits.items():
-        lines.append(f"  {mode:9}" + ", ".join(f"{k} {v / MIB:.0f}" for k, v in f.parts.items()))
+    for mode, f, _ in rows:
+        lines.append(
+            f"  {mode:{width}}" + ", ".join(f"{k} {v / MIB:.0f}" for k, v in f.parts.items())
+        )
     if grow and any(f.largest == 0 for f in fits.values()):
         lines.append(f"  largest 0: not even {grow}=1 fits in that mode")
     lines.append(f"suggested: {_suggestion(cfg, fits, nproc, nnodes, limit)}")

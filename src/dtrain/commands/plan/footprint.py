@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from dtrain import parallel
+from dtrain.checkpoint.load import trained_shapes
 from dtrain.config import Config, registry
 from dtrain.loop.optim import StateShape
+from dtrain.models import lora
 from dtrain.parallel.sharded_init import shard_rows
 from dtrain.process import compat
 
@@ -80,21 +82,24 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
     state = optimizer_state(cfg)
     # the EMA weights: one tensor per parameter more
     slots, adam = state.slots + ema_copies(cfg), state.step
-    data_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # What a checkpoint holds of the model: all of it, or a LoRA run's adapters (and buffers).
+    held = trained_shapes(model, lora.enabled(cfg.model))
+    tensors = {k: t for k, t in model.state_dict().items() if k in held}
+    data_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     trainable = [p for p in model.parameters() if p.requires_grad]
     data_bytes += sum(slots * p.numel() * p.element_size() for p in trainable)
     data_bytes += _ADAM_STEP_BYTES * len(trainable) if adam else 0
     meta = CHECKPOINT_META_BYTES_PER_RANK * world
     per_param_tensors = slots + (1 if adam else 0)
     if shards == 1:
-        count = len(model.state_dict()) + per_param_tensors * len(trainable)
+        count = len(tensors) + per_param_tensors * len(trainable)
         return data_bytes + count * FULL_BYTES_PER_TENSOR + meta
 
     def pieces(t: torch.Tensor) -> int:  # ranks with a non-empty shard of a parameter
         return sum(1 for r in range(shards) if _local_bytes(t, shards, r)) if t.dim() else 1
 
     params = dict(model.named_parameters())
-    count = sum(pieces(t) if name in params else 1 for name, t in model.state_dict().items())
+    count = sum(pieces(t) if name in params else 1 for name, t in tensors.items())
     count += sum(slots * pieces(p) + (1 if adam else 0) for p in trainable)
     # the optimizer's hyperparameters are stored as items too, one per key of its param group
     from dtrain.loop.optim import build_optimizer

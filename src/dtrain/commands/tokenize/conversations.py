@@ -8,12 +8,11 @@ its file and row (parquet and datasets, counted from 0 as `dataset[i]` does).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.commands.tokenize.inputs import Source, column_chunks
+from dtrain.commands.tokenize.inputs import Source, column_chunks, jsonl_fields
 from dtrain.core.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -45,24 +44,8 @@ def conversations(source: Source, column: str) -> Iterator[Conversation]:
 
 
 def _jsonl_conversations(path: str, column: str) -> Iterator[Conversation]:
-    with open(path, "rb") as f:
-        skipped = 0
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                skipped += len(line)
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"input error: {where}: not JSON ({e})") from None
-            if not isinstance(record, dict) or column not in record:
-                raise UserError(
-                    f"input error: {where}: no '{column}' field; name the messages field "
-                    f"with --column"
-                )
-            yield _conversation(where, record[column], column, skipped + len(line))
-            skipped = 0
+    for where, value, advance in jsonl_fields(path, column, "messages"):
+        yield _conversation(where, value, column, advance)
 
 
 def _conversation(where: str, value: Any, column: str, advance: int) -> Conversation:

@@ -270,37 +270,43 @@ def _cut(data: bytes) -> int:
     return start - 1 if start > 1 and data[start - 1] >= 0xC0 else len(data)
 
 
-def _jsonl_pieces(path: str, column: str) -> Iterator[Piece]:
+def jsonl_fields(path: str, column: str, what: str) -> Iterator[tuple[str, Any, int]]:
+    """Each JSON line's `column` field (`what` it holds, for the message when it is missing):
+    where the line is (`path:number`), the value, and the input bytes it took (blank lines
+    before it included)."""
     with open(path, "rb") as f:
         skipped = 0
         for number, line in enumerate(f, 1):
             if not line.strip():
                 skipped += len(line)
                 continue
+            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise UserError(f"input error: {path}:{number}: not JSON ({e})") from None
+                raise UserError(f"input error: {where}: not JSON ({e})") from None
             if not isinstance(record, dict) or column not in record:
                 raise UserError(
-                    f"input error: {path}:{number}: no '{column}' field; "
-                    f"name the text field with --column"
+                    f"input error: {where}: no '{column}' field; name the {what} field "
+                    f"with --column"
                 )
-            text = record[column]
-            if text is not None and not isinstance(text, str):
-                raise UserError(
-                    f"input error: {path}:{number}: '{column}' is {type(text).__name__}, not text"
-                )
-            if text:
-                try:
-                    yield from _in_pieces(text, skipped + len(line))
-                except UnicodeEncodeError:
-                    raise UserError(
-                        f"input error: {path}:{number}: '{column}' is not valid Unicode"
-                    ) from None
-                skipped = 0
-            else:
-                skipped += len(line)
+            yield where, record[column], skipped + len(line)
+            skipped = 0
+
+
+def _jsonl_pieces(path: str, column: str) -> Iterator[Piece]:
+    carried = 0  # the bytes of lines without text, counted with the next piece
+    for where, text, advance in jsonl_fields(path, column, "text"):
+        if text is not None and not isinstance(text, str):
+            raise UserError(f"input error: {where}: '{column}' is {type(text).__name__}, not text")
+        if not text:
+            carried += advance
+            continue
+        try:
+            yield from _in_pieces(text, carried + advance)
+        except UnicodeEncodeError:
+            raise UserError(f"input error: {where}: '{column}' is not valid Unicode") from None
+        carried = 0
 
 
 def _python_docs_topics() -> list[str]:
