@@ -135,6 +135,12 @@ def test_export_peft_loads_onto_the_base_and_hf_holds_the_merged_model(runs, bas
         by_peft = theirs.merge_and_unload()(tokens).logits
         exported = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
         assert (exported(tokens).logits - by_peft).abs().max() <= 1e-5
+    # dtrain eval puts the adapters on their base as resuming does: the run's own val_loss.
+    evaluated = dtrain("eval", "--run-dir", str(run_dir))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    last = [r for r in runs["fsdp"].records() if "val_loss" in r][-1]
+    reported = float(evaluated.stdout.split("val_loss ")[1].split()[0])
+    assert reported == pytest.approx(last["val_loss"], rel=1e-5)
     # The adapters moved the model off its base.
     plain = transformers.AutoModelForCausalLM.from_pretrained(base["llama"]).eval()
     with torch.no_grad():
