@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import yaml
 
-from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
+from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig, check_mix
 from dtrain.config.schema import (
     DEFAULT_RUN_NAME,
     CkptConfig,
@@ -248,6 +248,7 @@ def _cross_checks(cfg: Config) -> None:
         )
     if cfg.data.name in STORE_DATA:
         urls.check_location(cfg.data.root, "data.root")
+    check_mix(cfg.data)
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(
         isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas
