@@ -125,6 +125,13 @@ def test_plan_counts_the_windows_of_every_source(sources) -> None:
     assert (estimate.train_size, estimate.val_size) == (93 + 46, (1100 - 1) // SEQ + 21)
 
 
+def test_a_sources_validation_loss_can_pick_the_best_checkpoint(sources) -> None:
+    cfg = config.load(None, [*LM, mix_of(sources), "ckpt.monitor=val_loss_code"])
+    assert cfg.ckpt.monitor == "val_loss_code"
+    with pytest.raises(UserError, match="did you mean 'val_loss_code'"):
+        config.load(None, [*LM, mix_of(sources), "ckpt.monitor=val_loss_cod"])
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_loss_per_source_is_each_sources_own_computed_by_hand(tmp_path, masked) -> None:
     """The task over the mix's validation windows gives, per source, what it gives over that

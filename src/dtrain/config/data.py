@@ -16,6 +16,8 @@ from dtrain.core.errors import UserError
 # (data/mix.py), so no source may weigh less than one sample of a period.
 MIX_PERIOD = 10_000
 _MIX_KEYS = ("root", "weight", "name")
+# What the language model task reports per source of a mix, as val_<metric>_<name> (tasks.py).
+MIX_METRICS = ("loss", "share")
 # A source's name goes into metric names (val_loss_<name>) and so into TensorBoard and MLflow.
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -169,6 +171,11 @@ class DataConfig:
 def source_name(root: str) -> str:
     """A mix source's default name: the last path component of its folder (or URL)."""
     return root.rstrip("/").rsplit("/", 1)[-1]
+
+
+def mix_names(cfg: DataConfig) -> list[str]:
+    """The names of the mix's sources (none without a mix), as its metrics name them."""
+    return [entry.get("name") or source_name(entry["root"]) for entry in cfg.tokens.mix or []]
 
 
 def check_mix(cfg: DataConfig) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dtrain.config import DataConfig
-from dtrain.config.data import MIX_PERIOD, source_name
+from dtrain.config.data import MIX_PERIOD, mix_names
 from dtrain.core.errors import UserError
 from dtrain.data import masks as loss_masks
 from dtrain.data import tokens as one_folder
@@ -225,10 +225,6 @@ def _folders(cfg: DataConfig, splits: Sequence[str]) -> list[Folder]:
     return folders
 
 
-def _names(cfg: DataConfig) -> list[str]:
-    return [e.get("name") or source_name(e["root"]) for e in cfg.tokens.mix or []]
-
-
 def _bytes_per_token(folders: Sequence[Folder]) -> float | None:
     """The validation set's bytes of text per token: the sources' ratios weighted by their
     validation tokens (without masks; a masked mix's counted tokens are not known here), when
@@ -255,7 +251,7 @@ def _info(cfg: DataConfig, folders: Sequence[Folder], seq_len: int) -> dict[str,
     return {
         **folders[0].info(seq_len),
         "bytes_per_token": _bytes_per_token(folders),
-        "sources": _names(cfg),
+        "sources": mix_names(cfg),
     }
 
 
@@ -291,7 +287,7 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
         f"{name} ({round(share * 100, 2):g} %"
         + ("" if val_only else f", {len(train_sets[i])} windows")
         + ")"
-        for i, (name, share) in enumerate(zip(_names(cfg), shares, strict=True))
+        for i, (name, share) in enumerate(zip(mix_names(cfg), shares, strict=True))
     ]
     notes = [
         f"data: mix of {', '.join(parts)}; vocabulary {folders[0].vocab_size}, windows of "
