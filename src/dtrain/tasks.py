@@ -125,17 +125,38 @@ class LanguageModel:
     assistant's replies of chat data): only the targets the mask marks count, the loss being
     their mean. Evaluation then reports, per window, the counted targets' loss summed and their
     share of the window (`counted`), so that val_loss, their ratio over the whole validation
-    set, is the mean over every counted token, and a window that counts none weighs nothing."""
+    set, is the mean over every counted token, and a window that counts none weighs nothing.
 
-    def __init__(self, seq_len: int | None = None, bytes_per_token: float | None = 1.0) -> None:
+    The validation batches of a mix of token folders (data/mix.py) end with each window's source
+    index, a 1-D tensor: with the sources' `sources` names, evaluation also reports
+    val_loss_<name>, the loss over that source's windows alone, as the ratio of two means over
+    the whole set (`loss_<name>`, the loss of the source's windows and 0 elsewhere, over
+    `share_<name>`, the windows' or counted tokens' share that are the source's)."""
+
+    def __init__(
+        self,
+        seq_len: int | None = None,
+        bytes_per_token: float | None = 1.0,
+        sources: list[str] | None = None,
+    ) -> None:
         self.tokens_per_sample = seq_len
         self.bytes_per_token = bytes_per_token
+        self.sources = sources or []
 
     @staticmethod
-    def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _parts(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The windows, the mask (or None) and the source of each window (or None)."""
+        if not isinstance(batch, (tuple, list)):
+            return batch, None, None
+        windows, *rest = batch
+        source = rest.pop() if rest and rest[-1].dim() == 1 else None
+        return windows, rest[0] if rest else None, source
+
+    @classmethod
+    def _split(cls, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, targets and, with a mask, which targets count (position t's target is token
         t + 1, so the mask of token t + 1 is the one that applies)."""
-        windows, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
+        windows, mask, _ = cls._parts(batch)
         tokens = windows.long()  # bytes cross to the device as uint8
         return tokens[:, :-1], tokens[:, 1:], None if mask is None else mask[:, 1:]
 
@@ -158,12 +179,26 @@ class LanguageModel:
         logits = logits_of(model(inputs)).float()
         per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         if counts is None:
-            return {"loss": per_token.mean(dim=1)}
-        weights = counts.float()
-        return {"loss": (per_token * weights).mean(dim=1), "counted": weights.mean(dim=1)}
+            values = {"loss": per_token.mean(dim=1)}
+            counted = torch.ones_like(values["loss"])
+        else:
+            weights = counts.float()
+            values = {"loss": (per_token * weights).mean(dim=1), "counted": weights.mean(dim=1)}
+            counted = values["counted"]
+        source = self._parts(batch)[2]
+        if source is not None:
+            for index, name in enumerate(self.sources):
+                mine = (source == index).float()
+                values[f"loss_{name}"] = values["loss"] * mine
+                values[f"share_{name}"] = counted * mine
+        return values
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         figures: dict[str, float] = {}
+        for name in self.sources:
+            if f"share_{name}" in means:  # a source's loss: see the docstring
+                share = means[f"share_{name}"]
+                figures[f"loss_{name}"] = means[f"loss_{name}"] / share if share else math.nan
         loss = means["loss"]
         if "counted" in means:  # masked: the mean over the counted tokens (see the docstring)
             loss = figures["loss"] = loss / means["counted"] if means["counted"] else math.nan
@@ -206,7 +241,11 @@ def classification(cfg: TaskConfig, info: dict[str, Any]) -> Task:
 
 
 def language_model(cfg: TaskConfig, info: dict[str, Any]) -> Task:
-    known = {"seq_len": info.get("seq_len"), "bytes_per_token": info.get("bytes_per_token", 1.0)}
+    known = {
+        "seq_len": info.get("seq_len"),
+        "bytes_per_token": info.get("bytes_per_token", 1.0),
+        "sources": info.get("sources"),
+    }
     return _with_args(LanguageModel, {**known, **cfg.args})
 
 

@@ -302,6 +302,8 @@ def describe_data(cfg: Config, val_samples: int) -> dict[str, Any]:
     described: dict[str, Any] = {"name": cfg.data.name}
     if cfg.data.name == "synthetic":
         described["val_size"] = cfg.data.synthetic.val_size
+    elif cfg.data.tokens.mix is not None:  # the mix's folders, not data.root (left unset)
+        described["mix"] = [dict(entry) for entry in cfg.data.tokens.mix]
     else:
         described["root"] = os.path.abspath(cfg.data.root)
     described["val_samples"] = val_samples

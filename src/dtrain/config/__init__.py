@@ -17,7 +17,14 @@ from typing import Any, Union
 
 import yaml
 
-from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
+from dtrain.config.data import (
+    MIX_METRICS,
+    DataConfig,
+    SyntheticConfig,
+    TextConfig,
+    check_mix,
+    mix_names,
+)
 from dtrain.config.model import LoraConfig, ModelConfig
 from dtrain.config.schema import (
     DEFAULT_RUN_NAME,
@@ -250,6 +257,7 @@ def _cross_checks(cfg: Config) -> None:
         )
     if cfg.data.name in STORE_DATA:
         urls.check_location(cfg.data.root, "data.root")
+    check_mix(cfg.data)
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(
         isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas
@@ -311,6 +319,8 @@ def _cross_checks(cfg: Config) -> None:
     from dtrain.config.registry import builtin_metrics  # what the built-in tasks report
 
     reported = builtin_metrics(cfg.task.name)
+    if reported is not None and cfg.task.name == "language_model":  # a mix's, per source
+        reported = (*reported, *(f"val_{m}_{n}" for n in mix_names(cfg.data) for m in MIX_METRICS))
     if reported is not None and train.ema.decay is not None and train.ema.eval:
         reported = (*reported, *(f"{m}_ema" for m in reported))  # the averaged weights' too
     if reported is not None and cfg.ckpt.monitor not in reported:

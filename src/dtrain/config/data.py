@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
+import math
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from dtrain.config.fields import AT_LEAST_ONE, NON_NEGATIVE, option
+from dtrain.core import urls
+from dtrain.core.errors import UserError
+
+# A mix's weights are kept to this resolution: the interleave repeats every MIX_PERIOD samples
+# (data/mix.py), so no source may weigh less than one sample of a period.
+MIX_PERIOD = 10_000
+_MIX_KEYS = ("root", "weight", "name")
+# What the language model task reports per source of a mix, as val_<metric>_<name> (tasks.py).
+MIX_METRICS = ("loss", "share")
+# A source's name goes into metric names (val_loss_<name>) and so into TensorBoard and MLflow.
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,12 @@ class TokensConfig:
         check=NON_NEGATIVE,
         doc="token files in an object store (`data.root: s3://...`): a node-local copy when the "
         "folder is at most this large, else (and with 0) ranged reads",
+    )
+    mix: list | None = option(
+        None,
+        doc="several token folders drawn by weight instead of `data.root`: a list of "
+        "`{root, weight, name}` (name: default the folder's last path component); see "
+        "[Mixing sources](data.md#mixing-sources)",
     )
 
 
@@ -145,3 +166,81 @@ class DataConfig:
     text: TextConfig = field(default_factory=TextConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
     hf: HFConfig = field(default_factory=HFConfig)
+
+
+def source_name(root: str) -> str:
+    """A mix source's default name: the last path component of its folder (or URL)."""
+    return root.rstrip("/").rsplit("/", 1)[-1]
+
+
+def mix_names(cfg: DataConfig) -> list[str]:
+    """The names of the mix's sources (none without a mix), as its metrics name them."""
+    return [entry.get("name") or source_name(entry["root"]) for entry in cfg.tokens.mix or []]
+
+
+def check_mix(cfg: DataConfig) -> None:
+    """data.tokens.mix's entries: a mapping each, with a root data.root would accept, a
+    positive weight of at least 1/MIX_PERIOD of the total, and a name of its own; never beside
+    a data.root of its own (which of the two would be read?)."""
+    mix = cfg.tokens.mix
+    if mix is None:
+        return
+    if cfg.name != "tokens":
+        raise UserError(
+            f"config error: data.tokens.mix: mixes token folders (data.name: tokens), not "
+            f"data.name {cfg.name}"
+        )
+    if not mix:
+        raise UserError(
+            "config error: data.tokens.mix: an empty list; give at least one {root, weight} "
+            "or drop the key"
+        )
+    if cfg.root != DataConfig.root:
+        raise UserError(
+            f"config error: data.root ({cfg.root}) and data.tokens.mix both name the token "
+            f"folders; keep one (a mix names its folders in its entries' root)"
+        )
+    names: dict[str, int] = {}
+    for i, entry in enumerate(mix):
+        key = f"data.tokens.mix[{i}]"
+        if not isinstance(entry, dict):
+            raise UserError(
+                f"config error: {key}: expected a mapping {{root: FOLDER, weight: NUMBER}}, "
+                f"got {entry!r}"
+            )
+        for unknown in (k for k in entry if k not in _MIX_KEYS):
+            close = difflib.get_close_matches(str(unknown), _MIX_KEYS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"config error: unknown key '{key}.{unknown}'{hint}")
+        for needed in ("root", "weight"):
+            if needed not in entry:
+                raise UserError(f"config error: {key}.{needed}: missing")
+        root, weight, name = entry["root"], entry["weight"], entry.get("name")
+        if not isinstance(root, str) or not root.strip():
+            raise UserError(f"config error: {key}.root: expected a folder, got {root!r}")
+        urls.check_location(root, f"{key}.root")
+        if not _is_number(weight) or not 0 < weight < math.inf:
+            raise UserError(f"config error: {key}.weight: must be a number > 0, got {weight!r}")
+        name = source_name(root) if name is None else name
+        if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
+            raise UserError(
+                f"config error: {key}.name: {name!r} cannot name metrics (val_loss_<name>); "
+                f"give the entry a name: of letters, digits, '_', '.' or '-'"
+            )
+        if name in names:
+            raise UserError(
+                f"config error: {key}.name: '{name}' names data.tokens.mix[{names[name]}] "
+                f"too; give each source its own name:"
+            )
+        names[name] = i
+    total = sum(entry["weight"] for entry in mix)
+    for i, entry in enumerate(mix):
+        if entry["weight"] * MIX_PERIOD < total:
+            raise UserError(
+                f"config error: data.tokens.mix[{i}].weight: {entry['weight']!r} is less than "
+                f"1/{MIX_PERIOD} of the weights' total ({total!r}); raise it or drop the source"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -134,7 +134,7 @@ DATASETS = Table(
             "dtrain.data.text:build", "UTF-8 text as byte windows", sizes="dtrain.data.sizes:text"
         ),
         "tokens": Entry(
-            "dtrain.data.tokens:build",
+            "dtrain.data.mix:build",  # one folder (data/tokens.py), or a mix of them
             "token files (.bin, meta.json) as windows",
             sizes="dtrain.data.sizes:tokens",
         ),

@@ -3,8 +3,8 @@
 `build` gives the train and validation datasets that `data.name` names and what a model builder
 needs to know about them (`info`: number of classes, channels and image size for images; vocabulary
 and window length for text and token files; what a user's dataset declares). Modules: `sampler`
-(the order of samples), `images` (+ `decode`), `text`, `tokens`, `hf` and `user` (the datasets'
-builders), `loaders` (the `Datasets` and `Loaders` types, collate, device).
+(the order of samples), `images` (+ `decode`), `text`, `tokens` (+ `mix`), `hf` and `user` (the
+datasets' builders), `loaders` (the `Datasets` and `Loaders` types, collate, device).
 """
 
 from __future__ import annotations

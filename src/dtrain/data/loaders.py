@@ -191,7 +191,9 @@ def loaders(
 ) -> Loaders:
     """The train loader (steered through its sampler's `set_epoch`) and the validation loader,
     with `workers` loader processes each."""
-    shuffle = True
+    # A dataset that orders itself (a mix of sources, data/mix.py) is handed the epoch's
+    # positions as they are: its order is a function of (seed, epoch, position).
+    shuffle = not getattr(train_set, "orders_itself", False)
     if overfit_batches:
         count = overfit_batches * cfg.batch_size * world_size
         train_set = Prefix(train_set, min(count, len(train_set)))

@@ -83,6 +83,17 @@ class SeededBijection:
         return out.astype(np.int64)
 
 
+def seeded_order(size: int, seed: int, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A permutation of [0, size) drawn by (seed, epoch), as a function: positions -> indices.
+    Below LAZY_ORDER_FROM, torch.randperm of seed + epoch (DistributedSampler's); from there
+    on, a SeededBijection, which holds no tensor of the order."""
+    if size >= LAZY_ORDER_FROM:
+        return SeededBijection(size, seed, epoch)
+    gen = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(size, generator=gen).numpy()
+    return lambda positions: order[positions]
+
+
 class ResumableSampler(Sampler[tuple[int, int]]):
     """DistributedSampler's order, keyed by (epoch, index), able to start part-way through an epoch.
 
@@ -125,11 +136,7 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         """The epoch's order as a function: positions in [0, size) -> indices."""
         if not self.shuffle:
             return lambda positions: positions
-        if self.size >= LAZY_ORDER_FROM:
-            return SeededBijection(self.size, self.seed, self.epoch)
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=gen).numpy()
-        return lambda positions: order[positions]
+        return seeded_order(self.size, self.seed, self.epoch)
 
     def _kept(self) -> int:
         """drop_last: how many positions after `consumed` the ranks take, rank r every world-th

@@ -44,10 +44,10 @@ def text(cfg: DataConfig, seed: int) -> Datasets:
 
 def tokens(cfg: DataConfig, seed: int) -> Datasets:
     """Windows counted from meta.json and the files' sizes."""
+    from dtrain.data import mix
     from dtrain.data import text as text_data
-    from dtrain.data import tokens as token_data
 
-    train, val, info = token_data.window_counts(cfg, text_data.seq_len_of(cfg))
+    train, val, info = mix.window_counts(cfg, text_data.seq_len_of(cfg))
     return _sized(train, val, info)
 
 

@@ -187,7 +187,7 @@ class Windows(Dataset):
             out[i] = row
         return out
 
-    def _batch(self, indices: list[int]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: list[int]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out = self._rows(self.span, indices, self.tensor_dtype)
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             i, j = np.argwhere(out >= self.vocab_size)[0]
@@ -201,11 +201,11 @@ class Windows(Dataset):
         return BadTokens(out_of_vocabulary(path, at, token, self.vocab_size or 0))
 
     def __getitem__(self, key: SampleKey) -> Any:
-        batch = self._batch([index_of(key)])
+        batch = self.batch([index_of(key)])
         return batch[0] if isinstance(batch, torch.Tensor) else tuple(part[0] for part in batch)
 
     def __getitems__(self, keys: list[SampleKey]) -> Stacked:
-        return Stacked(self._batch([index_of(k) for k in keys]))
+        return Stacked(self.batch([index_of(k) for k in keys]))
 
 
 def out_of_vocabulary(path: str, at: int, token: int, vocab_size: int) -> str:
