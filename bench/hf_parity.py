@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,10 @@ def torchrun(*args: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    """The benchmarks' own (bench/common.py): one thread a rank and the same malloc settings on
+    every side. (With glibc's defaults, dtrain's FSDP returns freed host memory to the system,
+    process/host_memory.py, and pays page faults for it on the CPU: see docs/benchmarks.md.)"""
+    return common.env()
 
 
 def dtrain(work: str, name: str, model: str, data: str, mode: str) -> dict:
