@@ -335,3 +335,25 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
     per_token = meta["bytes"]["val"] / meta["counted"]["val"]
     assert final["val_bits_per_byte"] == pytest.approx(val_loss / math.log(2) / per_token,
                                                        rel=1e-6)
+
+
+def test_a_step_over_ranks_and_micro_batches_is_the_mean_over_every_counted_token(chat, tmp_path):
+    """The same step as one batch in one process and as 2 ranks x 2 micro-batches: micro-batches
+    count different numbers of reply tokens, and the step's gradient is still the mean over all
+    of them (SGD, so that the second loss shows the first step's gradient), not a mean of
+    micro-batch means."""
+    ids, _ = read_split(chat["out"], "train")
+    windows = (len(ids) - 1) // SEQ
+    batch = windows - windows % 4
+    job = ["task.name=language_model", "model.name=gpt", GPT_ARGS, "data.name=tokens",
+           f"data.root={chat['out']}", "train.max_steps=2", "train.epochs=2", "optim.name=sgd",
+           "optim.lr=0.5",
+           "optim.weight_decay=0.0", "ckpt.monitor=val_loss", "ckpt.monitor_mode=min",
+           "sched.name=none"]
+    whole = launch(tmp_path / "whole", [*job, f"data.batch_size={batch}"])
+    split = launch(tmp_path / "split", [*job, f"data.batch_size={batch // 4}", "train.grad_accum=2"],
+                   nproc=2)
+    for run in (whole, split):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert whole.losses()[2] != whole.losses()[1]
+    assert split.losses() == pytest.approx(whole.losses(), rel=2e-6)  # (4.7e-5 when it was not)

@@ -24,6 +24,12 @@ counted once over all ranks. Optional members, used where present:
 - `tokens_per_sample`: tokens in a sample, for tokens/s and FLOP/s in the records.
 - `model_input(batch)`: what the model is called with for a batch (for `dtrain export --format
   onnx`'s check on real data; built-in tasks need none).
+- `counted(batch)` with `loss(model, batch, over)`: a task whose loss is a mean over some of a
+  batch's targets (a loss mask) says how many a batch counts (a tensor; None where all do);
+  the loop then adds the counts of a step's micro-batches over every rank and each micro-batch's
+  loss is its sum divided by `over`, so that the step's gradient is the mean over every counted
+  target, not a mean of micro-batch means (which would weigh a micro-batch that counts few
+  targets as much as one that counts many).
 """
 
 from __future__ import annotations
@@ -163,7 +169,13 @@ class LanguageModel:
     def model_input(self, batch: Any) -> torch.Tensor:
         return self._split(batch)[0]
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+    def counted(self, batch: Any) -> torch.Tensor | None:
+        """How many targets of the batch count (a mask's), or None where every one does."""
+        mask = self._parts(batch)[1]  # (not _split: no copy of the windows for this)
+        return None if mask is None else mask[:, 1:].sum()
+
+    def loss(self, model: nn.Module, batch: Any, over: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over the targets that count; with `over`, their sum divided by it."""
         inputs, targets, counts = self._split(batch)
         logits = logits_of(model(inputs)).float()
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
@@ -172,7 +184,8 @@ class LanguageModel:
         weights = counts.reshape(-1).float()
         per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
         # A batch that counts no target gives 0 (and no gradient), not 0 / 0.
-        return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+        divisor = weights.sum().clamp(min=1.0) if over is None else over
+        return (per_token * weights).sum() / divisor
 
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         inputs, targets, counts = self._split(batch)

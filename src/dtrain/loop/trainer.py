@@ -87,6 +87,8 @@ class Trainer:
         throughput: Throughput,
     ) -> None:
         self.train, self.ckpt, self.layout, self.model, self.task = train, ckpt, layout, model, task
+        # A task that may count only some targets (tasks.py): see _train_step.
+        self.counted = getattr(task, "counted", None)
         self.channels_last, self.sync_batchnorm = channels_last, sync_batchnorm
         self.optimizer, self.schedule, self.precision = optimizer, schedule, precision
         self.datasets, self.loaders = datasets, loaders
@@ -226,18 +228,32 @@ class Trainer:
         self.schedule.apply(self.state.step)
         step_loss: torch.Tensor | None = None
         data_wait = exchange = 0.0
-        for micro in range(accum):
+
+        def fetch() -> Any:
+            nonlocal data_wait
             where.phase = "data"
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
+            return self._to_device(batch)
+
+        fetched, over = [fetch()], None
+        if self.counted is not None and self.counted(fetched[0]) is not None:
+            # A loss over the targets a mask counts: the step's micro-batches are fetched
+            # first, and each one's loss divided by what they count on every rank together.
+            fetched += [fetch() for _ in range(accum - 1)]
+            over = self._counted_per_rank(fetched)
+        for micro in range(accum):
+            batch = fetched[micro] if micro < len(fetched) else fetch()
             where.phase = "forward/backward"
-            batch = self._to_device(batch)
             last = micro == accum - 1
             with self._gradient_sync(last), self.precision.autocast():
-                loss = self.task.loss(model, batch)
-                if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
-                    loss = loss / accum
+                if over is not None:
+                    loss = self.task.loss(model, batch, over)  # type: ignore[call-arg]
+                else:
+                    loss = self.task.loss(model, batch)
+                    if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
+                        loss = loss / accum
             backward_began = time.perf_counter()
             self.precision.backward(loss)
             # The last backward exchanges the gradients: the ranks wait there for the slowest.
@@ -322,6 +338,17 @@ class Trainer:
                 f"{step}, more than train.max_consecutive_skips="
                 f"{train.max_consecutive_skips}; stopping"
             )
+
+    def _counted_per_rank(self, batches: list[Any]) -> torch.Tensor | None:
+        """The targets a step's micro-batches count on every rank together, over the world
+        size: what each micro-batch's summed loss is divided by, since DDP and FSDP average the
+        gradients over the ranks. None where the batches count every target."""
+        assert self.counted is not None
+        counts = [self.counted(batch) for batch in batches]
+        if any(c is None for c in counts):
+            return None
+        total = dist.all_reduce_sum(torch.stack(counts).sum().float())  # (a new tensor)
+        return total.clamp(min=1.0) / dist.world_size()
 
     def _to_device(self, batch: Any) -> Any:
         return to_device(batch, self.device, self.datasets.on_device, self.channels_last)
