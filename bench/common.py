@@ -162,3 +162,25 @@ def run_standalone(run: Callable[[Path], list]) -> None:
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
         for figure in run(Path(tmp)):
             print(figure.line(), flush=True)
+
+
+def make_llama(model_dir: str | Path, data: str | Path, llama: dict, sizes: dict[str, int]) -> int:
+    """A Llama of config `llama` with fresh weights (seed 0) saved with save_pretrained into
+    `model_dir`, and token files of uniform random ids (`sizes`: tokens per split, seed 0) with
+    the meta.json `dtrain tokenize` writes into `data`; returns the model's parameters."""
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**llama))
+    count = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir)
+    data = Path(data)
+    data.mkdir(parents=True, exist_ok=True)
+    gen = np.random.default_rng(0)
+    for split, n in sizes.items():
+        gen.integers(0, llama["vocab_size"], n).astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": llama["vocab_size"], "eot_id": 0, "tokens": sizes}))
+    return count

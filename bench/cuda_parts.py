@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 TRY = False  # --cpu-try: the CPU, tiny sizes
@@ -251,22 +253,9 @@ LLAMA_RUN_TRY = (64, 4, 6)
 
 def make_llama(out: Path, llama: dict, tokens: int) -> tuple[Path, Path, int]:
     """A Llama folder (save_pretrained) and token files (uniform random ids); its parameters."""
-    import numpy as np
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     model_dir, data = out / "hf-llama", out / "hf-tokens"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**llama))
-    model.save_pretrained(model_dir)
-    data.mkdir(parents=True, exist_ok=True)
     sizes = {"train": tokens, "val": max(tokens // 20, 10_000)}
-    gen = np.random.default_rng(0)
-    for split, n in sizes.items():
-        gen.integers(0, llama["vocab_size"], n).astype(np.uint16).tofile(data / f"{split}.bin")
-    (data / "meta.json").write_text(json.dumps({"dtype": "uint16", "eot_id": 0, "tokens": sizes,
-                                                "vocab_size": llama["vocab_size"]}))
-    return model_dir, data, sum(p.numel() for p in model.parameters())
+    return model_dir, data, common.make_llama(model_dir, data, llama, sizes)
 
 
 def hf_llama(out: Path) -> None:

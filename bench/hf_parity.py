@@ -148,25 +148,9 @@ def run_plain(kind: str, model_dir: str, data: str) -> dict:
 
 
 def main(rounds: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     with tempfile.TemporaryDirectory(prefix="dtrain-hf-parity-") as work:
         model_dir, data = os.path.join(work, "llama"), os.path.join(work, "tokens")
-        torch.manual_seed(0)
-        llama = LlamaForCausalLM(LlamaConfig(**LLAMA))
-        count = sum(p.numel() for p in llama.parameters())
-        llama.save_pretrained(model_dir)
-        os.makedirs(data)
-        gen = np.random.default_rng(0)
-        sizes = {"train": 200_000, "val": 20_000}
-        for split, n in sizes.items():
-            gen.integers(0, LLAMA["vocab_size"], n).astype(np.uint16).tofile(
-                os.path.join(data, f"{split}.bin"))
-        with open(os.path.join(data, "meta.json"), "w") as f:
-            json.dump({"dtype": "uint16", "vocab_size": LLAMA["vocab_size"], "eot_id": 0,
-                       "tokens": sizes}, f)
-
+        count = common.make_llama(model_dir, data, LLAMA, {"train": 200_000, "val": 20_000})
         single = run_plain("single", model_dir, data)
         found: dict[str, list[dict]] = {}
         sides = ["dtrain fsdp", "plain fsdp", "dtrain ddp", "plain ddp", "accelerate"]

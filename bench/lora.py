@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 from hf_memory import LLAMA
 
@@ -30,19 +31,6 @@ TRAIN = ["task.name=language_model", "model.args={}", "data.name=tokens", "data.
          "optim.lr=1e-4", "optim.weight_decay=0.0", "sched.name=none", "train.log_every=1",
          f"train.max_steps={STEPS}", "train.eval_every_epochs=0", "ckpt.format=full",
          "ckpt.monitor=val_loss", "ckpt.monitor_mode=min", "log.tensorboard=false"]
-
-
-def tokens(folder: str) -> None:
-    """Random token ids in a folder as `dtrain tokenize` writes one."""
-    os.makedirs(folder)
-    gen = np.random.default_rng(0)
-    counts = {"train": 200_000, "val": 20_000}
-    for split, count in counts.items():
-        gen.integers(0, LLAMA["vocab_size"], count).astype(np.uint16).tofile(
-            os.path.join(folder, f"{split}.bin"))
-    with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": LLAMA["vocab_size"], "eot_id": 0,
-                   "tokens": counts}, f)
 
 
 def dtrain_run(work: str, name: str, model: str, data: str, extra: list[str]) -> dict:
@@ -101,17 +89,9 @@ def plain_run(model_dir: str, data: str) -> dict:
 
 
 def main(rounds: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     with tempfile.TemporaryDirectory(prefix="dtrain-lora-") as work:
         model_dir, data = os.path.join(work, "llama"), os.path.join(work, "tokens")
-        torch.manual_seed(0)
-        llama = LlamaForCausalLM(LlamaConfig(**LLAMA))
-        count = sum(p.numel() for p in llama.parameters())
-        llama.save_pretrained(model_dir)
-        del llama
-        tokens(data)
+        count = common.make_llama(model_dir, data, LLAMA, {"train": 200_000, "val": 20_000})
         lora = [f"model.lora.r={RANK}", "model.lora.alpha=16"]
         full = dtrain_run(work, "full", model_dir, data, [])
         step: dict[str, list[float]] = {"dtrain": [], "plain": []}
