@@ -21,6 +21,7 @@ import forkserver
 from conftest import REPO, child_env, kill_tree, latest, launch, saved_step, start, torchrun_cmd
 
 from dtrain import cli
+from dtrain.files.store import Store
 
 # 101 validation samples: over 2 ranks one is padded, and must not be counted twice.
 SMALL = ["data.synthetic.train_size=256", "data.synthetic.val_size=101"]
@@ -273,7 +274,9 @@ def test_eval_reads_only_while_the_training_holds_the_run_directory(tmp_path) ->
         assert snapshot(run_dir.parent, run_dir / "evals") == before
         assert lock_is_held(run_dir)
         assert [p.parent for p in evals_of(run_dir)] == [run_dir / "evals"]
-        assert result["step"] == saved_step(run_dir)
+        # The newest complete checkpoint, as the store orders them: the training may have been
+        # stopped between a save's rename into place and its `latest` update.
+        assert result["step"] == Store(str(run_dir)).complete()[0].step
     finally:
         kill_tree(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
