@@ -103,48 +103,51 @@ def read_split(out: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.fromfile(out / f"{split}.mask", dtype=np.uint8)
 
 
-def layout(own, rows: list[dict]) -> list[tuple[int, list[int]]]:
-    """Where each conversation starts in a split, packed as the docs say (whole conversations in
-    blocks of SEQ tokens), and its ids as apply_chat_template gives them."""
-    placed, fill, block = [], 0, 0
-    for row in rows:
-        ids = own.apply_chat_template(row["messages"])["input_ids"]
-        if fill + len(ids) > SEQ:
-            block, fill = block + 1, 0
-        placed.append((block * SEQ + fill, ids))
-        fill += len(ids)
-    return placed
+def documents(ids: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    """The (start, stop) of each document a split's mask marks (STARTS), the last pad included."""
+    starts = [*np.flatnonzero(mask & 2).tolist(), len(ids)]
+    assert starts[0] == 0
+    return list(zip(starts[:-1], starts[1:], strict=True))
 
 
 def test_the_ids_are_the_templates_and_the_masks_count_the_replies_alone(chat) -> None:
+    """Each conversation is one document of the files, its ids apply_chat_template's, whole in
+    a block of SEQ tokens; the rest of a block is padding (the pad id, counted nowhere, its
+    first token marked as a start); the masks count the replies and their end of turn."""
     own, out, meta = chat["own"], chat["out"], chat["meta"]
     pad = own.eos_token_id
     for split, rows in chat["rows"].items():
         ids, mask = read_split(out, split)
-        placed = layout(own, rows)
-        blocks = placed[-1][0] // SEQ + 1
-        assert len(ids) == len(mask) == blocks * SEQ + 1 == meta["tokens"][split]
-        covered = np.zeros(len(ids), dtype=bool)
-        for (start, expected), row in zip(placed, rows, strict=True):
-            assert ids[start:start + len(expected)].tolist() == expected
-            covered[start:start + len(expected)] = True
-            flags = mask[start:start + len(expected)]
-            runs, current = [], []
-            for token, flag in zip(expected, flags, strict=True):
-                if flag:
-                    current.append(token)
-                elif current:
-                    runs, current = [*runs, current], []
-            runs += [current] if current else []
-            assert [own.decode(r) for r in runs] == [
-                m["content"] + "<|end|>" for m in row["messages"] if m["role"] == "assistant"]
-        assert (ids[~covered] == pad).all() and not mask[~covered].any()  # the padding
-        assert meta["counted"][split] == int(mask.sum())
+        assert len(ids) == len(mask) == meta["tokens"][split] and len(ids) % SEQ == 1
+        expected = {tuple(own.apply_chat_template(r["messages"])["input_ids"]): r for r in rows}
+        found, padding = [], 0
+        for start, stop in documents(ids, mask):
+            piece = tuple(ids[start:stop].tolist())
+            if piece in expected:
+                assert start // SEQ == (stop - 1) // SEQ  # whole in one block
+                found.append(piece)
+                runs, current = [], []
+                for token, flag in zip(piece, mask[start:stop], strict=True):
+                    if flag & 1:
+                        current.append(token)
+                    elif current:
+                        runs, current = [*runs, current], []
+                runs += [current] if current else []
+                row = expected[piece]
+                assert [own.decode(r) for r in runs] == [
+                    m["content"] + "<|end|>" for m in row["messages"] if m["role"] == "assistant"]
+            else:  # padding: to the end of its block (and the split's last token)
+                assert set(piece) == {pad} and not (mask[start:stop] & 1).any()
+                assert stop % SEQ in (0, 1) and (stop == len(ids) or stop % SEQ == 0)
+                padding += stop - start
+        assert sorted(found) == sorted(expected)
+        assert padding - 1 == meta["packed"]["padding"][split]  # (the split's closing pad)
+        assert meta["counted"][split] == int((mask & 1).sum())
         assert meta["documents"][split] == len(rows)
         assert meta["bytes"][split] == sum(len(m["content"].encode()) + 1 for r in rows
                                            for m in r["messages"] if m["role"] == "assistant")
-    assert meta["chat"] == {"seq_len": SEQ, "template_from": "chat_template.jinja",
-                            "template": TEMPLATE}
+    assert meta["packed"]["seq_len"] == SEQ
+    assert meta["chat"] == {"template_from": "chat_template.jinja", "template": TEMPLATE}
     assert meta["mask"] == "the assistant's replies, each with the end-of-turn token after it"
     written = json.loads((out / "meta.json").read_text())
     assert set(written["digests"]) == {"tokenizer.json", "train.bin", "train.mask", "val.bin",
@@ -163,7 +166,7 @@ def test_a_saved_dataset_and_a_held_out_part_and_a_plain_overwrite(chat, capsys)
     assert code == 0, capsys.readouterr().err
     summary = capsys.readouterr().out
     held = json.loads((out / "meta.json").read_text())
-    assert f"{len(rows)} conversations in windows of {SEQ}; the masks count" in summary
+    assert f"{len(rows)} conversations packed in windows of {SEQ} (" in summary
     assert held["val_from"] == "the last 0.1 of the windows"
     train_ids, train_mask = read_split(out, "train")
     val_ids, val_mask = read_split(out, "val")
@@ -250,13 +253,13 @@ def test_windows_carry_their_mask_and_must_keep_conversations_whole(chat) -> Non
     tokens, mask = sets.val[0]
     ids, flags = read_split(out, "val")
     assert tokens.tolist() == ids[:2 * SEQ + 1].tolist()
-    assert mask.dtype == torch.bool and mask.tolist() == flags[:2 * SEQ + 1].astype(bool).tolist()
+    assert mask.dtype == torch.uint8 and mask.tolist() == flags[:2 * SEQ + 1].tolist()
     with pytest.raises(UserError) as cut:
         build(config.load(None, ["data.name=tokens", f"data.root={out}",
                                  f"data.tokens.seq_len={SEQ}", "data.tokens.stride=16"]).data, 0)
     assert str(cut.value) == (
-        f"config error: data.tokens.stride is 16, but {out} lays its conversations out in "
-        f"windows of {SEQ} tokens (dtrain tokenize --chat --seq-len {SEQ}), which other windows "
+        f"config error: data.tokens.stride is 16, but {out} lays its documents out in "
+        f"windows of {SEQ} tokens (dtrain tokenize --seq-len {SEQ}), which other windows "
         f"would cut; set data.tokens.stride to {SEQ} or a multiple of it")
 
 
@@ -289,16 +292,23 @@ def test_a_chat_folder_in_an_object_store_gives_the_same_windows(chat, s3, monke
 
 
 def masked_loss(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
-    """The cross-entropy of every window of SEQ + 1 tokens, by hand: over the targets the mask
-    counts (one mean over all of them), and over every target."""
-    windows = (len(ids) - 1) // SEQ
-    x = torch.stack([torch.from_numpy(ids[w * SEQ:w * SEQ + SEQ + 1].astype(np.int64))
-                     for w in range(windows)])
-    counts = torch.stack([torch.from_numpy(mask[w * SEQ + 1:w * SEQ + SEQ + 1].astype(bool))
-                          for w in range(windows)])
+    """The cross-entropy by hand, each document through the model alone (a plain loop knows
+    nothing of packing): over the targets the mask counts, one mean over all of them; and, for
+    comparison, the windows' unmasked loss with attention across the documents."""
+    total, counted = torch.zeros(()), 0
     with torch.no_grad():
-        per_token = F.cross_entropy(model(x[:, :-1]).transpose(1, 2), x[:, 1:], reduction="none")
-    return (per_token[counts].sum() / counts.sum()).item(), per_token.mean().item()
+        for start, stop in documents(ids, mask):
+            if stop - start < 2:
+                continue
+            x = torch.from_numpy(ids[start:stop].astype(np.int64))[None]
+            weights = torch.from_numpy((mask[start + 1:stop] & 1).astype(bool))
+            per_token = F.cross_entropy(model(x[:, :-1])[0], x[0, 1:], reduction="none")
+            total, counted = total + per_token[weights].sum(), counted + int(weights.sum())
+        windows = (len(ids) - 1) // SEQ
+        x = torch.stack([torch.from_numpy(ids[w * SEQ:w * SEQ + SEQ + 1].astype(np.int64))
+                         for w in range(windows)])
+        unmasked = F.cross_entropy(model(x[:, :-1]).transpose(1, 2), x[:, 1:]).item()
+    return (total / counted).item(), unmasked
 
 
 def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_path) -> None:
@@ -309,8 +319,8 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
     out, meta = chat["out"], chat["meta"]
     train_ids, train_mask = read_split(out, "train")
     val_ids, val_mask = read_split(out, "val")
-    windows = (len(train_ids) - 1) // SEQ
-    assert any(not val_mask[w * SEQ + 1:w * SEQ + SEQ + 1].any() for w in range(3))
+    windows, val_windows = (len(train_ids) - 1) // SEQ, (len(val_ids) - 1) // SEQ
+    assert any(not (val_mask[w * SEQ + 1:w * SEQ + SEQ + 1] & 1).any() for w in range(val_windows))
     result = launch(tmp_path / "runs" / "chat", [
         "task.name=language_model", "model.name=gpt", GPT_ARGS, "data.name=tokens",
         f"data.root={out}", f"data.batch_size={windows}", "train.max_steps=1",
@@ -331,7 +341,8 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
     val_loss, unmasked = masked_loss(model, val_ids, val_mask)
     assert final["val_loss"] == pytest.approx(val_loss, abs=1e-6)
     assert abs(val_loss - unmasked) > 0.01  # the mask changes what is measured
-    assert final["val_counted"] == pytest.approx(int(val_mask[1:3 * SEQ + 1].sum()) / (3 * SEQ))
+    assert final["val_counted"] == pytest.approx(
+        int((val_mask[1:] & 1).sum()) / (val_windows * SEQ))
     per_token = meta["bytes"]["val"] / meta["counted"]["val"]
     assert final["val_bits_per_byte"] == pytest.approx(val_loss / math.log(2) / per_token,
                                                        rel=1e-6)

@@ -196,7 +196,8 @@ def test_windows_are_the_files_tokens_read_as_one_sequence(tmp_path) -> None:
         assert window.tolist() == train[index * 7:index * 7 + SEQ + 1].tolist()
     batch = sets.train.__getitems__([(0, 2), (0, 90)]).batch
     assert batch.tolist() == [train[14:14 + SEQ + 1].tolist(), train[630:630 + SEQ + 1].tolist()]
-    assert sets.info == {"vocab_size": 70000, "seq_len": SEQ, "bytes_per_token": None}
+    assert sets.info == {"vocab_size": 70000, "seq_len": SEQ, "bytes_per_token": None,
+                         "documents": False}
 
 
 def test_a_folder_of_text_files_is_mapped_as_the_files_joined_by_newlines(tmp_path) -> None:

@@ -219,3 +219,18 @@ def attempt_served_synthetic(cfg):
     served.num_classes = len(synthetic.CLASSES)
     served.sample_shape = (3, synthetic.IMAGE_SIZE, synthetic.IMAGE_SIZE)
     return served, val
+
+
+class Bigram(nn.Module):
+    """A language model whose forward takes the tokens alone (no position_ids)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table(tokens)
+
+
+def bigram(cfg) -> nn.Module:
+    return Bigram(**dict(cfg.args))

@@ -151,6 +151,7 @@ def _tokenize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         eot=args.eot,
         chat=args.chat,
+        pack=args.pack,
         seq_len=args.seq_len,
     )
     print(tokenize.summary(args.out, meta))
@@ -200,11 +201,17 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
         "--tokenizer MODEL_DIR's chat template; loss masks count the assistant's replies",
     )
     p.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack whole documents into windows of --seq-len, attention never crossing from "
+        "one to another (--chat always packs)",
+    )
+    p.add_argument(
         "--seq-len",
         type=int,
         metavar="N",
-        help="with --chat: the window conversations are laid out in, whole (default 256; train "
-        "with data.tokens.seq_len a multiple of it)",
+        help="with --chat or --pack: the window documents are packed in, whole (default 256; "
+        "train with data.tokens.seq_len a multiple of it)",
     )
     p.add_argument(
         "--workers", type=int, metavar="K", help="encoding threads (default: every core)"

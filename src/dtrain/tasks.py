@@ -45,6 +45,7 @@ from torch import nn
 from dtrain.config import TaskConfig, registry
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable
+from dtrain.files.names import MASK_COUNTED, MASK_STARTS
 from dtrain.process import compat
 
 
@@ -53,6 +54,10 @@ class Task(Protocol):
 
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]: ...
 
+
+# How far a document's logits may move with its neighbour in check_documents: rounding, also in
+# bfloat16; a model that attends across documents moves them by far more.
+_DOCUMENT_TOLERANCE = 1e-2
 
 # ---------------------------------------------------------------------------------------------
 # What a model returns
@@ -88,6 +93,19 @@ def loss_of(output: Any) -> torch.Tensor:
         f"task error: the model's output ({type(output).__name__}) has no loss: "
         f"return it as output['loss'] or output.loss"
     )
+
+
+def document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document: 0 where `starts` (nonzero where a document
+    begins) marks one, counting up from there; the window's first token starts one."""
+    index = torch.arange(starts.shape[1], device=starts.device).expand(starts.shape[0], -1)
+    begins = torch.where(starts != 0, index, torch.zeros_like(index))
+    return index - begins.cummax(dim=1).values
+
+
+def _counted(mask: torch.Tensor) -> torch.Tensor:
+    """Which tokens a mask counts (its MASK_COUNTED flag; a bool mask counts where it is True)."""
+    return mask if mask.dtype == torch.bool else mask & MASK_COUNTED
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
@@ -128,10 +146,15 @@ class LanguageModel:
     Without a ratio (token files without meta.json) bits per byte is not reported.
 
     A batch may also be the pair (windows, mask) of a token folder with loss masks (the
-    assistant's replies of chat data): only the targets the mask marks count, the loss being
-    their mean. Evaluation then reports, per window, the counted targets' loss summed and their
-    share of the window (`counted`), so that val_loss, their ratio over the whole validation
-    set, is the mean over every counted token, and a window that counts none weighs nothing.
+    assistant's replies of chat data; their flags: data/masks.py): only the targets the mask
+    counts count, the loss being their mean. Evaluation then reports, per window, the counted
+    targets' loss summed and their share of the window (`counted`), so that val_loss, their
+    ratio over the whole validation set, is the mean over every counted token, and a window that
+    counts none weighs nothing. Where the masks also mark where documents start (`documents`:
+    a packed folder), the model is called as `model(inputs, position_ids=...)`, the positions
+    restarting at 0 at each document's first token: Hugging Face models read that as packed
+    sequences (attention within each), and the built-in `gpt` likewise (`check_documents`
+    makes sure, at start, that a model does).
 
     The validation batches of a mix of token folders (data/mix.py) end with each window's source
     index, a 1-D tensor: with the sources' `sources` names, evaluation also reports
@@ -144,10 +167,12 @@ class LanguageModel:
         seq_len: int | None = None,
         bytes_per_token: float | None = 1.0,
         sources: list[str] | None = None,
+        documents: bool = False,
     ) -> None:
         self.tokens_per_sample = seq_len
         self.bytes_per_token = bytes_per_token
         self.sources = sources or []
+        self.documents = documents
 
     @staticmethod
     def _parts(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -158,13 +183,19 @@ class LanguageModel:
         source = rest.pop() if rest and rest[-1].dim() == 1 else None
         return windows, rest[0] if rest else None, source
 
-    @classmethod
-    def _split(cls, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Inputs, targets and, with a mask, which targets count (position t's target is token
-        t + 1, so the mask of token t + 1 is the one that applies)."""
-        windows, mask, _ = cls._parts(batch)
+    def _split(
+        self, batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Inputs, targets, with a mask which targets count (position t's target is token t + 1,
+        so the mask of token t + 1 is the one that applies), and in a packed folder each
+        input's position in its document."""
+        windows, mask, _ = self._parts(batch)
         tokens = windows.long()  # bytes cross to the device as uint8
-        return tokens[:, :-1], tokens[:, 1:], None if mask is None else mask[:, 1:]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if mask is None:
+            return inputs, targets, None, None
+        positions = document_positions(mask[:, :-1] & MASK_STARTS) if self.documents else None
+        return inputs, targets, _counted(mask[:, 1:]), positions
 
     def model_input(self, batch: Any) -> torch.Tensor:
         return self._split(batch)[0]
@@ -172,12 +203,17 @@ class LanguageModel:
     def counted(self, batch: Any) -> torch.Tensor | None:
         """How many targets of the batch count (a mask's), or None where every one does."""
         mask = self._parts(batch)[1]  # (not _split: no copy of the windows for this)
-        return None if mask is None else mask[:, 1:].sum()
+        return None if mask is None else _counted(mask[:, 1:]).sum()
+
+    @staticmethod
+    def _logits(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None) -> Any:
+        output = model(inputs) if positions is None else model(inputs, position_ids=positions)
+        return logits_of(output).float()
 
     def loss(self, model: nn.Module, batch: Any, over: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss over the targets that count; with `over`, their sum divided by it."""
-        inputs, targets, counts = self._split(batch)
-        logits = logits_of(model(inputs)).float()
+        inputs, targets, counts, positions = self._split(batch)
+        logits = self._logits(model, inputs, positions)
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if counts is None:
             return F.cross_entropy(flat_logits, flat_targets)
@@ -187,9 +223,43 @@ class LanguageModel:
         divisor = weights.sum().clamp(min=1.0) if over is None else over
         return (per_token * weights).sum() / divisor
 
+    def check_documents(self, model: nn.Module, batch: Any) -> str | None:
+        """With packed windows: that the model keeps documents apart. A document B of the
+        first window's tokens is given once after a neighbour A and once before another, C:
+        its logits must not change (beyond rounding) with its neighbour or its place."""
+        inputs = self._split(batch)[0][:1]
+        if not self.documents or inputs.shape[1] < 2:
+            return None
+        half = inputs.shape[1] // 2
+        doc, neighbour = inputs[:, half:], inputs[:, :half]
+        size = doc.shape[1]
+        positions = torch.cat([torch.arange(half), torch.arange(size)]).to(inputs.device)
+        try:
+            after = self._logits(model, torch.cat([neighbour, doc], 1), positions[None])
+            swapped = torch.cat([positions[half:], positions[:half]])[None]
+            before = self._logits(model, torch.cat([doc, neighbour.flip(1)], 1), swapped)
+        except TypeError as e:
+            return (
+                f"model error: the model does not take position_ids ({first_line(e)}), which "
+                f"tell it where the documents of a packed window start; give its forward a "
+                f"position_ids argument, or set task.args.documents: false to let attention "
+                f"cross the documents"
+            )
+        change = (after[:, half:] - before[:, :size]).abs().max()
+        relative = float((change / after[:, half:].abs().max().clamp(min=1e-12)).detach())
+        if relative > _DOCUMENT_TOLERANCE:
+            return (
+                f"model error: the model lets the documents of a packed window see each other "
+                f"(a document's logits change by {relative:.1e} of their size with its "
+                f"neighbour): it must read position_ids as Hugging Face's packed sequences do "
+                f"(attention within a document, positions from its start); use such a model, "
+                f"or set task.args.documents: false to let attention cross the documents"
+            )
+        return None
+
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        inputs, targets, counts = self._split(batch)
-        logits = logits_of(model(inputs)).float()
+        inputs, targets, counts, positions = self._split(batch)
+        logits = self._logits(model, inputs, positions)
         per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         if counts is None:
             values = {"loss": per_token.mean(dim=1)}
@@ -258,6 +328,7 @@ def language_model(cfg: TaskConfig, info: dict[str, Any]) -> Task:
         "seq_len": info.get("seq_len"),
         "bytes_per_token": info.get("bytes_per_token", 1.0),
         "sources": info.get("sources"),
+        "documents": info.get("documents", False),
     }
     return _with_args(LanguageModel, {**known, **cfg.args})
 
@@ -298,6 +369,10 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
     model.eval()
     try:
         with torch.no_grad():
+            documents = getattr(task, "check_documents", None)
+            problem = documents(model, batch) if documents is not None else None
+            if problem:
+                return problem
             loss = task.loss(model, batch)
             values = task.metrics(model, batch)
     except UserError:

@@ -1,12 +1,17 @@
 """Loss masks beside token files (`train.mask` by `train.bin`, `train_003.mask` by
-`train_003.bin`), as `dtrain tokenize --chat` writes them: one byte per token, nonzero where the
-token counts as a target of the loss (the assistant's replies). A folder without masks is read
-as before: every token counts.
+`train_003.bin`), as `dtrain tokenize --chat` and `--pack` write them: one byte per token, of
+two flags (names.MASK_*). COUNTED (1): the token counts as a target of the loss (the
+assistant's replies). STARTS (2): the token begins a document (a conversation, or a run of
+padding), which attends to nothing before it: a packed window's documents never see each
+other. A folder without masks is read as before: every token counts, and attention is causal
+over the whole window.
 
 The windows of a masked folder carry their mask (a batch is the pair (tokens, mask)), which the
-`language_model` task applies to the targets. This module finds the masks and checks them
-against the token files, says what share of the tokens they count, and checks that the windows
-keep whole the conversations that `tokenize --chat` laid out in blocks of its `--seq-len`.
+`language_model` task applies to the targets, and from which it restarts the positions at each
+document's first token (models see the boundaries as Hugging Face's packed sequences do).
+This module finds the masks and checks them against the token files, says what share of the
+tokens they count, and checks that the windows keep whole the documents that `tokenize --chat`
+or `--pack` laid out in blocks of its `--seq-len`.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def check_sizes(tokens: Span, masks: Span, paths: Sequence[str]) -> None:
 
 def counted(meta: dict[str, Any], split: str, masks: Span) -> int:
     """The tokens a split's masks count: meta.json's `counted` (dtrain tokenize writes it), or
-    for a folder made by hand, the masks' nonzero bytes, read once."""
+    for a folder made by hand, the bytes with the COUNTED flag, read once."""
     said = (meta.get("counted") or {}).get(split)
     if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
         return said
@@ -85,7 +90,7 @@ def counted(meta: dict[str, Any], split: str, masks: Span) -> int:
     for start in range(0, len(masks), _COUNT_CHUNK):
         chunk = np.empty(min(_COUNT_CHUNK, len(masks) - start), dtype=np.uint8)
         masks.read(start, chunk)
-        total += int(np.count_nonzero(chunk))
+        total += int(np.count_nonzero(chunk & names.MASK_COUNTED))
     return total
 
 
@@ -97,18 +102,24 @@ def check_counted(counted: int, split: str, paths: Sequence[str]) -> None:
         )
 
 
+def packed(meta: dict[str, Any]) -> bool:
+    """Whether the folder's masks mark where documents start (meta.json's `packed`, which
+    `tokenize --chat` and `--pack` write)."""
+    return isinstance(meta.get("packed"), dict)
+
+
 def check_windows(meta: dict[str, Any], root: str, seq_len: int, stride: int) -> None:
-    """Windows that keep whole the conversations a `tokenize --chat` folder laid out in blocks
-    (meta.json's `chat.seq_len`): a length and a stride that are multiples of the block size,
-    so that each block lies inside one window."""
-    block = (meta.get("chat") or {}).get("seq_len")
+    """Windows that keep whole the documents a `tokenize --chat` or `--pack` folder laid out in
+    blocks (meta.json's `packed.seq_len`): a length and a stride that are multiples of the block
+    size, so that each block lies inside one window."""
+    block = (meta.get("packed") or meta.get("chat") or {}).get("seq_len")
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         return
     for key, value in (("data.tokens.seq_len", seq_len), ("data.tokens.stride", stride)):
         if value % block:
             raise UserError(
-                f"config error: {key} is {value}, but {root} lays its conversations out in "
-                f"windows of {block} tokens (dtrain tokenize --chat --seq-len {block}), which "
+                f"config error: {key} is {value}, but {root} lays its documents out in "
+                f"windows of {block} tokens (dtrain tokenize --seq-len {block}), which "
                 f"other windows would cut; set {key} to {block} or a multiple of it"
             )
 

@@ -101,7 +101,7 @@ def _assembled(
     length = sources[0].seq_len + 1
     tokens = torch.empty((len(which), length), dtype=dtype)
     masked = sources[0].mask is not None
-    mask = torch.empty((len(which), length), dtype=torch.bool) if masked else None
+    mask = torch.empty((len(which), length), dtype=torch.uint8) if masked else None
     for s in np.unique(which).tolist():
         rows = np.flatnonzero(which == s)
         part = sources[s].batch(windows[rows].tolist())
@@ -251,6 +251,7 @@ def _info(cfg: DataConfig, folders: Sequence[Folder], seq_len: int) -> dict[str,
     return {
         **folders[0].info(seq_len),
         "bytes_per_token": _bytes_per_token(folders),
+        "documents": any(f.info(seq_len)["documents"] for f in folders),
         "sources": mix_names(cfg),
     }
 

@@ -159,7 +159,7 @@ class Windows(Dataset):
     tensor (bytes as uint8; token ids as int32, or int64 for uint32 files). With `vocab_size`,
     a batch holding an id outside the vocabulary stops the run with the file named. With a
     `mask` (a Span of the loss masks, data/masks.py), a batch is the pair (tokens, mask), the
-    mask a bool tensor of the same shape."""
+    mask a uint8 tensor of the same shape (its flags: data/masks.py)."""
 
     def __init__(
         self,
@@ -194,7 +194,7 @@ class Windows(Dataset):
             raise self._out_of_vocabulary(indices[i] * self.stride + int(j), int(out[i, j]))
         if self.mask is None:
             return torch.from_numpy(out)
-        return torch.from_numpy(out), torch.from_numpy(self._rows(self.mask, indices, np.bool_))
+        return torch.from_numpy(out), torch.from_numpy(self._rows(self.mask, indices, np.uint8))
 
     def _out_of_vocabulary(self, position: int, token: int) -> BadTokens:
         path, at = self.span.locate(position)
@@ -262,11 +262,13 @@ class Folder:
 
     def info(self, seq_len: int) -> dict[str, Any]:
         """What the model and the task learn from the folder: the vocabulary, the window's
-        length and the validation split's bytes of text per token (for bits per byte)."""
+        length, the validation split's bytes of text per token (for bits per byte) and
+        whether the masks mark where documents start (packed windows)."""
         return {
             "vocab_size": self.vocab_size,
             "seq_len": seq_len,
             "bytes_per_token": self.bytes_per_token["val"],
+            "documents": bool(self.masks) and loss_masks.packed(self.meta),
         }
 
 

@@ -50,8 +50,13 @@ def token_shards(split: str) -> str:
     return f"{split}_*.bin"
 
 
+# The flags of a loss mask's bytes (data/masks.py): the token counts as a target of the loss;
+# the token begins a document (packed windows).
+MASK_COUNTED, MASK_STARTS = 1, 2
+
+
 def loss_mask(token_file: str) -> str:
     """The loss mask beside a token file (`train.bin` -> `train.mask`, `train_003.bin` ->
-    `train_003.mask`; a shard pattern maps to the masks' pattern): one byte per token, nonzero
-    where a language model's loss counts that token as a target."""
+    `train_003.mask`; a shard pattern maps to the masks' pattern): one byte of flags per token
+    (which tokens the loss counts, where documents start: data/masks.py)."""
     return token_file.removesuffix(".bin") + ".mask"

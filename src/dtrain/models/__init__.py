@@ -173,15 +173,17 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """With `mask` (bool, True where a query may see a key), that mask replaces causality."""
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).unbind(2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal,
+            is_causal=self.causal and mask is None,
         )
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
@@ -197,14 +199,18 @@ class GPTBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class GPT(nn.Module):
     """A decoder-only transformer language model: token and position embeddings, a stack of
-    GPTBlocks, a final norm and an output head tied to the token embedding."""
+    GPTBlocks, a final norm and an output head tied to the token embedding.
+
+    `position_ids` (batch, length), as Hugging Face models take them for packed sequences: a
+    document starts wherever a position does not follow the one before it by 1; each token
+    attends to the tokens of its own document alone, at its positions."""
 
     def __init__(
         self,
@@ -231,17 +237,32 @@ class GPT(nn.Module):
                 if isinstance(bias, torch.Tensor):
                     nn.init.zeros_(bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.seq_len:
             raise ValueError(
                 f"sequence of {length} tokens, longer than the model's seq_len {self.seq_len}"
             )
-        positions = torch.arange(length, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        mask = None if position_ids is None else block_causal(position_ids)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(position_ids))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.norm(x))
+
+
+def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
+    """The (batch, 1, length, length) attention mask of packed documents: causal, and within
+    the document of each query (documents split where positions do not count up by 1)."""
+    first = position_ids[:, :1] - 1
+    documents = (torch.diff(position_ids, prepend=first, dim=1) != 1).cumsum(dim=1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    return (same & causal)[:, None]
 
 
 def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:

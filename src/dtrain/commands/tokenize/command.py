@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from dtrain.commands.tokenize import blocks as packed
 from dtrain.commands.tokenize import chat as chat_data
 from dtrain.commands.tokenize.inputs import Source, corpus_sources, pieces, sources
 from dtrain.commands.tokenize.output import (
@@ -56,6 +57,7 @@ EOT = "<|endoftext|>"
 # Mistral, Gemma), looked for in that order in a given tokenizer.json.
 EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 TOKENIZER_FILE = "tokenizer.json"
+PACKED_COUNTED = "every token but the first of each document and the padding"
 UINT16_VOCAB = 1 << 16
 BATCH_BYTES_PER_THREAD = 256 << 10
 
@@ -197,12 +199,14 @@ def tokenize(
     overwrite: bool = False,
     eot: str | None = None,
     chat: bool = False,
+    pack: bool = False,
     seq_len: int | None = None,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
     With `chat`, the inputs are conversations, rendered by the --tokenizer folder's chat
-    template, laid out in windows of `seq_len` tokens and masked (commands/tokenize/chat.py).
+    template, packed into windows of `seq_len` tokens and masked (commands/tokenize/chat.py);
+    with `pack`, plain documents are packed so (commands/tokenize/blocks.py).
     Every mistake is a UserError, raised before anything is written or with everything
     written so far removed. Progress goes to `stream` (default: stderr)."""
     stream = stream or sys.stderr
@@ -215,10 +219,10 @@ def tokenize(
             "usage error: --chat reads conversations from INPUT files with --tokenizer MODEL_DIR "
             "(the folder of the tokenizer and its chat template)"
         )
-    if seq_len is not None and not chat:
+    if seq_len is not None and not (chat or pack):
         raise UserError(
-            "usage error: --seq-len goes with --chat (plain text is cut into windows when "
-            "training, by data.tokens.seq_len)"
+            "usage error: --seq-len goes with --chat or --pack (plain text is cut into windows "
+            "when training, by data.tokens.seq_len)"
         )
     if seq_len is not None and seq_len < 1:
         raise UserError(f"usage error: --seq-len must be at least 1, not {seq_len}")
@@ -238,7 +242,7 @@ def tokenize(
         tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
         if chat:
             templated = chat_data.load_tokenizer(tokenizer_path)
-            layout = chat_data.meta_of(tokenizer_path, templated, seq_len or chat_data.SEQ_LEN)
+            layout = chat_data.meta_of(tokenizer_path, templated)
         made_by = os.path.abspath(tokenizer_path)
         if os.path.isdir(tokenizer_path):
             tokenizer_path = os.path.join(tokenizer_path, TOKENIZER_FILE)
@@ -263,20 +267,25 @@ def tokenize(
         "tokenizer_from": made_by,
         "val_from": "the --val inputs"
         if val_sources
-        else f"the last {val_fraction:g} of the {'windows' if chat else 'token stream'}",
+        else f"the last {val_fraction:g} of the {'windows' if chat or pack else 'token stream'}",
         "val_fraction": None if val_sources else val_fraction,
         "inputs": {"train": _inputs(train_sources), "val": _inputs(val_sources)},
     }
+    packs = chat or pack
     if chat:
         about["mask"] = chat_data.COUNTED
         meta["chat"] = layout
+    elif pack:
+        about["mask"] = PACKED_COUNTED
+    if packs:
+        meta["packed"] = {"seq_len": seq_len or packed.SEQ_LEN}
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise outputs.output_error("tokenize", out, e) from None
     written = [names.token_file(s) for s in names.TOKEN_SPLITS]
-    if chat:
+    if packs:
         written += [names.loss_mask(n) for n in written]
     partial = {n: os.path.join(out, n + ".partial") for n in written}
     target = os.path.join(out, "tokenizer.json")
@@ -306,9 +315,12 @@ def tokenize(
                 index_path,
                 workers,
                 stream,
+                pack,
             )
-        for key in ("tokens", "bytes", "documents", *(("counted",) if chat else ())):
+        for key in ("tokens", "bytes", "documents", *(("counted",) if packs else ())):
             meta[key] = {name: getattr(split, key) for name, split in splits.items()}
+        if packs:
+            meta["packed"]["padding"] = {name: split.padding for name, split in splits.items()}
         meta.update(about)
         publish(out, partial, meta)
     except BaseException as e:
@@ -353,11 +365,26 @@ def _write_splits(
     index_path: str,
     workers: int | None,
     stream: TextIO,
+    pack: bool,
 ) -> dict[str, Split]:
     """train.bin and val.bin, under their .partial names, complete and synced, in the dtype
-    and with the end-of-text id that `meta` gives."""
+    and with the end-of-text id that `meta` gives; packed, with their masks."""
     dtype, eot_id = np.dtype(meta["dtype"]), meta["eot_id"]
     batch_bytes = max(1 << 20, threads(workers) * BATCH_BYTES_PER_THREAD)
+    if pack:
+
+        def feed(from_sources: list[Source], add: packed.Add, what: str) -> None:
+            progress = Progress(stream, what, _size(from_sources))
+
+            def document(ids: list[int], nbytes: int) -> None:
+                add("a document", ids, np.ones(len(ids), dtype=np.uint8), nbytes)
+
+            encode(tokenizer, from_sources, column, None, dtype, eot_id, batch_bytes, progress,
+                   sink=document)  # fmt: skip
+
+        return packed.write_splits(
+            meta, val_fraction, train_sources, val_sources, partial, index_path, feed, True
+        )
     with open(partial["train.bin"], "wb") as f, open(index_path, "wb") as index:
         progress = Progress(stream, "tokenizing", _size(train_sources))
         index_or_none = None if val_sources else index
@@ -402,9 +429,11 @@ def summary(out: str, meta: dict[str, Any]) -> str:
     )
     if "counted" not in meta:
         return line + f"{(size['train'] + size['val']) / max(1, total):.2f} bytes per token"
-    counted = meta["counted"]
+    counted, layout = meta["counted"], meta["packed"]
+    padding = sum(layout["padding"].values())
     return line + (
-        f"{meta['documents']['train'] + meta['documents']['val']:,} conversations in windows "
-        f"of {meta['chat']['seq_len']}; the masks count "
+        f"{meta['documents']['train'] + meta['documents']['val']:,} "
+        f"{'conversations' if 'chat' in meta else 'documents'} packed in windows of "
+        f"{layout['seq_len']} ({padding / total:.1%} padding); the masks count "
         f"{(counted['train'] + counted['val']) / total:.1%} of the tokens ({meta['mask']})"
     )

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
@@ -41,13 +42,15 @@ SHARD_PATTERNS = (*_TOKEN_PATTERNS, *map(names.loss_mask, _TOKEN_PATTERNS), name
 @dataclass
 class Split:
     """What was written for one split: tokens, bytes (as BYTES_COUNTED says), documents, the
-    tokens a loss mask counts (of conversations), and the text bytes each input gave."""
+    text bytes each input gave, and of packed blocks (blocks.py) the tokens a loss mask counts
+    and the padding."""
 
     tokens: int = 0
     bytes: int = 0
     documents: int = 0
     text_of: dict[str, int] = field(default_factory=dict)
     counted: int = 0
+    padding: int = 0
 
 
 class Progress:
@@ -102,22 +105,40 @@ def encode(
     tokenizer: Any,
     from_sources: list[Source],
     column: str,
-    out: BinaryIO,
+    out: BinaryIO | None,
     dtype: np.dtype,
     eot_id: int,
     batch_bytes: int,
     progress: Progress,
     index: BinaryIO | None = None,
+    sink: Callable[[list[int], int], None] | None = None,
 ) -> Split:
     """Encode the sources' documents into `out`, each followed by `eot_id`, a batch of about
     `batch_bytes` of text at a time. `index` receives, for each document, the int64 pair
-    (tokens so far, bytes so far) at its end: where a held-out cut can find its document."""
+    (tokens so far, bytes so far) at its end: where a held-out cut can find its document.
+    With `sink`, each whole document's ids and bytes go to it instead (`out` is not used)."""
     split = Split(text_of={s.input: 0 for s in from_sources})
     batch: list[Piece] = []
     size = 0
+    document: list[int] = []  # with a sink: the pieces of the document not yet ended
+    document_bytes = 0
+
+    def to_sink(encoded: list[Any]) -> None:
+        nonlocal document, document_bytes
+        assert sink is not None
+        for encoding, piece in zip(encoded, batch, strict=True):
+            document += encoding.ids
+            document_bytes += piece.nbytes
+            if piece.last:
+                sink([*document, eot_id], document_bytes + 1)
+                document, document_bytes = [], 0
+        progress.add(batch, sum(len(e.ids) for e in encoded))
 
     def flush() -> None:
         encoded = tokenizer.encode_batch_fast([p.text for p in batch], add_special_tokens=False)
+        if sink is not None:
+            to_sink(encoded)
+            return
         flat: list[int] = []
         marks = []
         for encoding, piece in zip(encoded, batch, strict=True):
@@ -128,6 +149,7 @@ def encode(
                 split.bytes += 1
                 split.documents += 1
                 marks.append((split.tokens + len(flat), split.bytes))
+        assert out is not None
         out.write(np.array(flat, dtype=dtype).tobytes())
         split.tokens += len(flat)
         if index is not None and marks:
