@@ -1,14 +1,15 @@
-"""Memory per rank while a Hugging Face model's weights load for FSDP on 2 ranks: dtrain's
-`hf:PATH` (each rank builds only its own rows of every large tensor while the file is read)
-against the usual way (`from_pretrained` whole in every rank, then `fully_shard` per decoder
-layer and the root).
+"""Memory, reads and time per rank while a Hugging Face model's weights load for FSDP on 2 ranks:
+dtrain's `hf:PATH` (the model made on no memory, each rank then reading only its own rows of
+each tensor from the safetensors files into its shards) against the usual way
+(`from_pretrained` whole in every rank, then `fully_shard` per decoder layer and the root).
 
 The model is a Llama of about 150 M parameters made here from a config with fresh weights and
 saved with `save_pretrained` (float32 safetensors, about 600 MB). Each side runs in its own
 `torchrun --nproc_per_node=2` launch; each rank samples its own anonymous memory (RssAnon: the
 file's pages in the page cache are not counted, they are shared) every 5 ms from before the
-model is made to after it is sharded, and reports its peak above where it started. Sides
-alternate, ROUNDS times; figures are the medians, with the range.
+model is made to after it is sharded, and reports its peak above where it started, the bytes
+of tensors it read from the files, and the seconds it took. Sides alternate, ROUNDS times;
+figures are the medians, with the range.
 
     python bench/hf_memory.py [ROUNDS]
 """
@@ -69,11 +70,14 @@ def rank_side(side: str, folder: str) -> None:
         layout = resolve(cfg, detect(), torch.device("cpu"))
         model, _, notes = build(cfg, {}, layout, Precision("fp32", layout.device, True))
         assert any("shard by shard" in n for n in notes), notes
+        read = [float(n.split("safetensors (")[1].split(" of ")[0]) * 2**20 for n in notes
+                if "weights read by rows" in n][0]
     else:
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        read = float(sum(p.numel() * 4 for p in model.parameters()))  # every tensor, whole
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -82,7 +86,8 @@ def rank_side(side: str, folder: str) -> None:
     sampler.join()
     params = sum(p.to_local().numel() for p in model.parameters())
     print(json.dumps({"rank": dist.get_rank(), "anon": peak[0] - start[0],
-                      "pss": peak[1] - start[1], "seconds": seconds, "local_params": params}),
+                      "pss": peak[1] - start[1], "seconds": seconds, "local_params": params,
+                      "read": read}),
           flush=True)
     dist.destroy_process_group()
 
@@ -114,21 +119,22 @@ def main(rounds: int) -> None:
         for _ in range(rounds):
             for side in ("dtrain", "whole") if _ % 2 == 0 else ("whole", "dtrain"):
                 ranks = launch(side, folder)
-                for kind in ("anon", "pss"):
+                for kind in ("anon", "pss", "read"):
                     peaks.setdefault((side, kind), []).append(
                         max(r[kind] for r in ranks) / 2**20)
+                peaks.setdefault((side, "seconds"), []).append(max(r["seconds"] for r in ranks))
         print(f"Llama of {count / 1e6:.1f} M parameters ({count * 4 / 2**20:.0f} MiB in float32), "
               f"FSDP on 2 ranks, {rounds} rounds: the larger rank's peak while the model is made "
               f"and sharded, above where it started")
         for side, label in (("dtrain", "dtrain hf:PATH (rows per rank)"),
                             ("whole", "from_pretrained whole in every rank")):
             line = []
-            for kind in ("anon", "pss"):
+            for kind, unit in (("anon", "MiB"), ("pss", "MiB"), ("read", "MiB"), ("seconds", "s")):
                 values = peaks[(side, kind)]
-                line.append(f"{kind} median {statistics.median(values):5.0f} MiB "
-                            f"({min(values):.0f}-{max(values):.0f})")
+                line.append(f"{kind} median {statistics.median(values):5.1f} {unit} "
+                            f"({min(values):.1f}-{max(values):.1f})")
             print(f"  {label:<38} " + ", ".join(line))
-        for kind in ("anon", "pss"):
+        for kind in ("anon", "pss", "read", "seconds"):
             ratio = (statistics.median(peaks[("dtrain", kind)])
                      / statistics.median(peaks[("whole", kind)]))
             print(f"  ratio dtrain / whole, {kind}: {ratio:.2f}")

@@ -6,6 +6,7 @@ learned positions, tied embeddings), never downloaded."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,9 @@ def test_a_folder_fine_tunes_under_ddp_and_fsdp_alike_from_the_files_weights(fol
                                         "train.max_steps=1"], nproc=2)
     assert still.returncode == 0, still.stderr[-3000:]
     assert "model constructed shard by shard" in still.stderr
+    read = re.search(r"each rank read only its own rows of the folder's safetensors "
+                     r"\(([\d.]+) of ([\d.]+) MiB here\)", still.stderr)
+    assert read and float(read[1]) < float(read[2])  # (the embedding and head by halves)
     assert "FSDP units: 2 LlamaDecoderLayer (the model's _no_split_modules), then the root" \
         in still.stderr
     saved, original = checkpoint_model(still.run_dir), file_weights(folders["llama"])
@@ -111,6 +115,35 @@ def test_tied_embeddings_stay_tied_export_to_hf_and_fresh_weights_follow_the_see
     assert torch.equal(back.transformer.wte.weight, weights["transformer.wte.weight"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
                                                      "model.safetensors"]
+    # The same checkpoint, sharded (`dtrain convert`), exports file by file in files of at most
+    # 100 KB: an index, the same tensors, the same logits, the head still the embedding.
+    sharded = tmp_path / "sharded"
+    converted = dtrain("convert", "--checkpoint", str(latest(tied.run_dir)), "--to", "sharded",
+                       "--out", str(sharded))
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    streamed = tmp_path / "streamed"
+    exported = dtrain("export", "--checkpoint", str(sharded), "--format", "hf", "--out",
+                      str(streamed), "--max-shard-size", "100KB")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "written file by file" in exported.stdout
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in streamed.glob("*.safetensors"))
+    assert len(files) > 3 and sorted(set(index["weight_map"].values())) == files
+    assert all((streamed / f).stat().st_size < 100_000 + 80_000 for f in files)  # (the embedding)
+    whole = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    parts = transformers.AutoModelForCausalLM.from_pretrained(streamed)
+    assert parts.lm_head.weight is parts.transformer.wte.weight and parts.config.use_cache
+    assert parts.state_dict().keys() == whole.keys()
+    assert all(torch.equal(parts.state_dict()[k], whole[k]) for k in whole)
+    batch = torch.randint(0, GPT2["vocab_size"], (2, 16))
+    with torch.no_grad():
+        assert torch.equal(parts(batch).logits, back(batch).logits)
+    assert (streamed / "config.json").read_text() == (out / "config.json").read_text()
+    refused = dtrain("export", "--checkpoint", str(sharded), "--format", "onnx", "--out",
+                     str(tmp_path / "x.onnx"), "--max-shard-size", "1GB")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("--max-shard-size goes with --format hf")
+
     again = dtrain("export", "--run-dir", str(tied.run_dir), "--format", "hf", "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().endswith(
         f"--out {out} already exists; --format hf writes a new folder: name one that is not there "

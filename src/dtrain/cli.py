@@ -105,7 +105,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
-    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, args.overrides)
+    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, args.overrides,
+                args.max_shard_size)  # fmt: skip
     return 0
 
 
@@ -349,6 +350,11 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "other formats hold the merged model (default state_dict)",
     )
     p.add_argument("--weights", choices=("model", "ema"), default="model")
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="--format hf: the largest safetensors file, e.g. 500MB (default 2GB)",
+    )
     p.add_argument(
         "overrides",
         nargs="*",

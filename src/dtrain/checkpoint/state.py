@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ import torch
 
 from dtrain.checkpoint import digest
 from dtrain.core.errors import UserError, first_line
-from dtrain.files.digests import HashingFile
+from dtrain.files.digests import HashingFile, check_file
 from dtrain.process import compat, dist
 
 FULL_FILE = "checkpoint.pt"
@@ -119,11 +120,27 @@ def read_sharded(folder: str, state: dict[str, Any], process_group: Any = None) 
     """Fill `state` (tensors of the right shapes and shardings) from the DCP folder, checking
     the digest of every file read. Any failure, including DCP's CheckpointException (a
     BaseException), becomes a UserError: a damaged file's own line when one is damaged."""
+    _load(folder, state, digest.expected_digests(folder), process_group)
+
+
+def read_sharded_in_parts(folder: str, parts: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Fill each state of `parts` in turn from the DCP folder, in this process alone, and yield
+    it: the tensors of one part are all that is read at a time. Every file's digest is checked
+    once, before the first part (not again for each part that reads from it)."""
+    expected = digest.expected_digests(folder) or {}
+    for name in sorted(expected):
+        if name.startswith(f"{DCP_DIR}/"):
+            check_file(folder, name, expected[name])
+    for state in parts:
+        _load(folder, state, None, None)
+        yield state
+
+
+def _load(folder: str, state: dict[str, Any], expected: Any, process_group: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.join(folder, DCP_DIR)
-    expected = digest.expected_digests(folder)
     try:
         dcp.load(
             state,

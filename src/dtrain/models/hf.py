@@ -10,10 +10,14 @@ config. Weights load in float32 (the run's precision is applied to them as to an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import json
+import math
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,13 +33,28 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+# Set while FSDP builds an `hf:` model shard by shard: the weights are read afterwards, each rank
+# its own rows of each tensor (WeightFiles, parallel/sharded_init.fill_from).
+_WEIGHTS_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "weights_later", default=False
+)
+
+
 def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
-    """`hf:PATH`: the model with the folder's weights."""
+    """`hf:PATH`: the model with the folder's weights (inside `weights_later`, without: the
+    caller reads them)."""
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
     check_weights(cfg.name, folder)
-    if torch.get_default_device().type == "meta":  # dtrain plan: the shapes, not the weights
+    if torch.get_default_device().type == "meta":  # dtrain plan: the shapes alone
         return cls(config)
+    if _WEIGHTS_LATER.get():  # the caller reads every tensor: none is drawn first
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = cls(config)
+        model.tie_weights()  # (which no_init_weights leaves to from_pretrained)
+        return model
     saved_labels = getattr(cls.config_class.from_pretrained(folder), "num_labels", None)
     return cls.from_pretrained(
         folder,
@@ -45,6 +64,73 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
         # A classifier for other classes than the folder's: its head starts afresh.
         ignore_mismatched_sizes=getattr(config, "num_labels", None) != saved_labels,
     )
+
+
+@contextlib.contextmanager
+def weights_later() -> Iterator[None]:
+    """Within: `build` makes an `hf:` model with fresh weights, for the caller to fill from
+    `WeightFiles`."""
+    token = _WEIGHTS_LATER.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_LATER.reset(token)
+
+
+def late_weights(cfg: ModelConfig, info: dict[str, Any]) -> WeightFiles | None:
+    """The weight files an FSDP build reads by rows: those of an `hf:PATH` model without LoRA
+    (peft's names and adapters go through from_pretrained) whose files hold every parameter of
+    the model under its name, in its shape; None for any other model (a classifier whose head
+    starts afresh, say: from_pretrained draws what the files do not hold)."""
+    if not cfg.name.startswith("hf:") or cfg.lora.r is not None:
+        return None
+    folder = resolve(cfg.name)
+    cls, config = _class_and_config(cfg, info, folder)
+    check_weights(cfg.name, folder)
+    files = WeightFiles(folder, weight_files(cfg.name, folder))
+    with torch.device("meta"):
+        shapes = cls(config)
+    for name, param in shapes.named_parameters():  # (each tied tensor under one name)
+        if files.shape(name) != tuple(param.shape):
+            return None
+    return files
+
+
+class WeightFiles:
+    """A folder's safetensors files, read tensor by tensor, or a tensor's rows alone (the file's
+    pages of the other rows are never touched)."""
+
+    def __init__(self, folder: str, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.folder = folder
+        self._open = [safe_open(os.path.join(folder, f), framework="pt") for f in files]
+        self._where = {key: handle for handle in self._open for key in handle.keys()}
+        self.total = 0  # bytes of every tensor in the files
+        for handle in self._open:
+            for key in handle.keys():
+                part = handle.get_slice(key)
+                self.total += math.prod(part.get_shape()) * _ITEM_BYTES[part.get_dtype()]
+        self.read = 0  # bytes read so far
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        handle = self._where.get(key)
+        return None if handle is None else tuple(handle.get_slice(key).get_shape())
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        part = self._where[key].get_slice(key)
+        tensor = part[start:stop]
+        self.read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def whole(self, key: str) -> torch.Tensor:
+        tensor = self._where[key].get_tensor(key)
+        self.read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
 
 def build_from_config(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:

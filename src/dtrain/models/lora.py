@@ -58,6 +58,9 @@ def apply(model: nn.Module, cfg: ModelConfig, num_classes: int | None) -> nn.Mod
         lora_dropout=lora.dropout,
         target_modules=targets,
         modules_to_save=to_save or None,
+        # GPT-2's layers are transformers' Conv1D, weights stored (in, out): peft must know, or
+        # it says it guessed.
+        fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()),
     )
     try:
         with warnings.catch_warnings():

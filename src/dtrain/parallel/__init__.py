@@ -20,6 +20,7 @@ from dtrain import models
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
+from dtrain.models import hf
 from dtrain.parallel import sharded_init
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, host_memory
@@ -210,8 +211,14 @@ def build(
     memory_note = host_memory.return_freed_memory()
     notes = [memory_note] if memory_note else []
     shards = layout.shards
+    # An `hf:` folder that holds every tensor of the model: each rank reads its own rows of each
+    # tensor into its shards, after the build (which draws no weights).
+    weight_files = hf.late_weights(cfg.model, info)
     try:
-        model, params, buffers = sharded_init.build_local(construct, shards, layout.shard_index)
+        with hf.weights_later() if weight_files else contextlib.nullcontext():
+            model, params, buffers = sharded_init.build_local(
+                construct, shards, layout.shard_index, values=weight_files is None
+            )
     except sharded_init.NotReplayable as e:
         log.warning(
             f"model {cfg.model.name}: its construction cannot be replayed shard by shard "
@@ -224,7 +231,13 @@ def build(
     count = _count(model)
     wrapped = wrap(model, cfg, layout, precision, on_meta=True, notes=notes)
     wrapped.to_empty(device=layout.device)
-    sharded_init.materialize(wrapped, params, buffers)
+    sharded_init.materialize(wrapped, params, buffers, weight_files)
+    if weight_files:
+        notes.append(
+            f"weights read by rows: each rank read only its own rows of the folder's "
+            f"safetensors ({weight_files.read / 2**20:.1f} of {weight_files.total / 2**20:.1f} "
+            f"MiB here)"
+        )
     return (
         wrapped,
         count,

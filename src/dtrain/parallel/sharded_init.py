@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -134,13 +134,16 @@ class Rows(torch.Tensor):
 
 
 class _Construction(TorchDispatchMode):
-    def __init__(self, shards: int, index: int) -> None:
+    def __init__(self, shards: int, index: int, values: bool = True) -> None:
         super().__init__()
-        self.shards, self.index = shards, index
+        self.shards, self.index, self.values = shards, index, values
         self.views: set[int] = set()  # meta tensors that stand for views of rows
 
     def _rows_of(self, full: torch.Tensor) -> Rows:
         start, stop = shard_rows(full.shape[0], self.shards, self.index)
+        if not self.values:  # no memory: the values come later (build_local)
+            local = torch.empty((stop - start, *full.shape[1:]), dtype=full.dtype, device="meta")
+            return Rows(full.shape, local, start, stop)
         return Rows(full.shape, full[start:stop].clone(), start, stop)
 
     @staticmethod
@@ -256,14 +259,15 @@ class _Construction(TorchDispatchMode):
 
 
 def build_local(
-    build: Callable[[], nn.Module], shards: int, index: int
+    build: Callable[[], nn.Module], shards: int, index: int, values: bool = True
 ) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
     """Run `build` with large tensors holding only the rows of shard `index` of `shards`. Returns
     the model with meta tensors in place of its parameters and buffers (ready for fully_shard),
-    and the values kept for them by name. Raises NotReplayable (for any failure: the eager build
-    that follows raises the constructor's own errors)."""
+    and the values kept for them by name. Without `values` (the weights are read afterwards,
+    into the shards: `materialize`), large tensors keep no rows either. Raises NotReplayable (for
+    any failure: the eager build that follows raises the constructor's own errors)."""
     try:
-        with _Construction(shards, index):
+        with _Construction(shards, index, values):
             model = build()
     except NotReplayable:
         raise
@@ -281,14 +285,40 @@ def build_local(
     return model, params, buffers
 
 
-def materialize(sharded: nn.Module, params: dict[str, Any], buffers: dict[str, Any]) -> None:
+class Weights(Protocol):
+    """Where `fill_from` reads a model's weights by name (models/hf.py's WeightFiles)."""
+
+    def shape(self, key: str) -> tuple[int, ...] | None: ...
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+    def whole(self, key: str) -> torch.Tensor: ...
+
+
+def materialize(
+    sharded: nn.Module,
+    params: dict[str, Any],
+    buffers: dict[str, Any],
+    weights: Weights | None = None,
+) -> None:
     """Copy the values `build_local` kept into `sharded` (the same model, wrapped by fully_shard
-    and materialised with `to_empty`): each rank's parameter shards, and whole buffers."""
+    and materialised with `to_empty`): each rank's parameter shards, and whole buffers. With
+    `weights`, the values of every tensor `weights` holds under its name are read from there
+    instead, straight into the shard: of a sharded parameter, this rank's rows alone."""
+    names: dict[int, list[str]] = {}  # a tensor tied under two names is one tensor
+    tensors = dict(sharded.named_parameters(remove_duplicate=False))
+    for name, param in tensors.items():
+        names.setdefault(id(param), []).append(name)
     with torch.no_grad():
-        for name, param in sharded.named_parameters(remove_duplicate=False):
-            source = params[name]
-            target = compat.local_part(param)
-            if isinstance(source, Rows):
+        for same in names.values():
+            param = tensors[same[0]]
+            source, target = params[same[0]], compat.local_part(param)
+            shape = tuple(param.shape)
+            held = [n for n in same if weights is not None and weights.shape(n) == shape]
+            if weights is not None and held:
+                if hasattr(param, "to_local"):
+                    target.copy_(weights.rows(held[0], *_rows_of_dtensor(param)))
+                else:
+                    target.copy_(weights.whole(held[0]))
+            elif isinstance(source, Rows):
                 target.copy_(source.local)
             elif hasattr(param, "to_local"):
                 start, stop = _rows_of_dtensor(param)
@@ -296,7 +326,10 @@ def materialize(sharded: nn.Module, params: dict[str, Any], buffers: dict[str, A
             else:
                 target.copy_(source)
         for name, buffer in sharded.named_buffers(remove_duplicate=False):
-            buffer.copy_(buffers[name])
+            if weights is not None and weights.shape(name) == tuple(buffer.shape):
+                buffer.copy_(weights.whole(name))
+            else:
+                buffer.copy_(buffers[name])
 
 
 def _rows_of_dtensor(param: Any) -> tuple[int, int]:

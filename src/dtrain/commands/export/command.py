@@ -72,6 +72,7 @@ def main(
     fmt: str = "state_dict",
     weights: str = "model",
     overrides: list[str] | tuple[str, ...] = (),
+    shard_size: str | None = None,
 ) -> float:
     """The command: the checkpoint at `path` (or the newest of the run `run`) exported to `out`.
     Either may be in an object store: a checkpoint there is fetched to a temporary folder (each
@@ -86,12 +87,12 @@ def main(
             folder = remote_copies.checkpoint_folder(source)
             local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "checkpoint"), {})
         if not is_url(out):
-            return export(local, out, fmt, weights, overrides, shown=source)
+            return export(local, out, fmt, weights, overrides, shown=source, shard_size=shard_size)
         parent, name = out.rstrip("/").rsplit("/", 1)
         made = os.path.join(copies, "out")
         os.makedirs(made)
         found = export(local, os.path.join(made, name), fmt, weights, overrides, shown=source,
-                       where=(made, parent))  # fmt: skip
+                       where=(made, parent), shard_size=shard_size)  # fmt: skip
         objects = remote_copies.ObjectStore(parent, {})
         files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
         with objects.failing_as("write to"):
@@ -175,7 +176,9 @@ def example_input(meta: dict, size: int = 4) -> Any:
     return make(meta["model_info"], size) if make is not None else None
 
 
-def check_request(fmt: str, weights: str, overrides: list[str] | tuple[str, ...]) -> None:
+def check_request(
+    fmt: str, weights: str, overrides: list[str] | tuple[str, ...], shard_size: str | None = None
+) -> None:
     """What the command is asked for, before any checkpoint is read (or fetched)."""
     if fmt not in FORMATS:
         raise UserError(f"export error: unknown format '{fmt}'; one of {', '.join(FORMATS)}")
@@ -187,6 +190,26 @@ def check_request(fmt: str, weights: str, overrides: list[str] | tuple[str, ...]
             "check only; drop them"
         )
     _required(fmt)
+    if shard_size is not None:
+        if fmt != "hf":
+            raise UserError("export error: --max-shard-size goes with --format hf")
+        from dtrain.commands.export import hf_folder
+
+        hf_folder.shard_bytes(shard_size)
+
+
+def _streamed(path: str, fmt: str, weights: str) -> tuple[str, dict] | None:
+    """(The DCP folder, the metadata) of a sharded checkpoint that --format hf exports file by
+    file (hf_stream.py); None for every other export."""
+    if fmt != "hf" or weights != "model":
+        return None
+    folder, kind = checkpoint.open_checkpoint(path)
+    if kind != "sharded":
+        return None
+    meta = load_checked(os.path.join(folder, checkpoint.META_FILE))
+    from dtrain.commands.export import hf_stream
+
+    return (folder, meta) if hf_stream.streams(config.from_dict(meta["config"])) else None
 
 
 def _required(fmt: str) -> None:
@@ -211,11 +234,13 @@ def export(
     overrides: list[str] | tuple[str, ...] = (),
     shown: str | None = None,
     where: tuple[str, str] | None = None,
+    shard_size: str | None = None,
 ) -> float:
     """Write the export, load it back, and return the largest difference found by the check.
     `overrides` (data.* keys) steer where the ONNX check reads its validation batch. `shown`:
-    the checkpoint's name in messages (its URL); `where`: (this folder, the URL it stands for)."""
-    check_request(fmt, weights, overrides)
+    the checkpoint's name in messages (its URL); `where`: (this folder, the URL it stands for);
+    `shard_size`: --format hf's largest safetensors file (default hf_folder.SHARD_SIZE)."""
+    check_request(fmt, weights, overrides, shard_size)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
     if os.path.isdir(os.path.join(path, names.CHECKPOINTS)):
@@ -230,7 +255,8 @@ def export(
         )
     if fmt not in ("safetensors", *FOLDERS) and os.path.isdir(out):
         raise UserError(f"export error: --out {out} is a directory; name the file to write")
-    model, meta = load_model(path, weights, adapters=fmt == "peft")
+    streamed = _streamed(path, fmt, weights)  # --format hf file by file: no model in memory
+    model, meta = (None, streamed[1]) if streamed else load_model(path, weights, fmt == "peft")
     shown = shown or path
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     # Written beside the final files under a hidden name, checked, then renamed into place: a
@@ -246,7 +272,16 @@ def export(
     with outputs.staged(folder, "export") as stage:
         staging = os.path.join(stage, os.path.basename(final))
         try:
-            found, line = _write(fmt, model, meta, what, staging, list(overrides), weights)
+            if streamed:
+                from dtrain.commands.export import hf_folder, hf_stream
+
+                hf_folder.check_model(meta)
+                size = hf_folder.shard_bytes(shard_size or hf_folder.SHARD_SIZE)
+                found, line = hf_stream.export(streamed[0], meta, what, staging, size)
+            else:
+                assert model is not None
+                found, line = _write(fmt, model, meta, what, staging, list(overrides), weights,
+                                     shard_size)  # fmt: skip
         except UserError as e:
             raise type(e)(_final_paths(_final_paths(str(e), stage, folder), here, there)) from None
     print(_final_paths(_final_paths(line, stage, folder), here, there))
@@ -261,6 +296,7 @@ def _write(
     out: str,
     overrides: list[str],
     weights: str,
+    shard_size: str | None,
 ) -> tuple[float, str]:
     if fmt == "onnx":
         from dtrain.commands.export import onnx_file as export_onnx
@@ -274,7 +310,8 @@ def _write(
         from dtrain.commands.export import hf_folder
 
         hf_folder.check_model(meta)
-        return hf_folder.export(model, meta, what, out, example_input(meta))
+        size = hf_folder.shard_bytes(shard_size or hf_folder.SHARD_SIZE)
+        return hf_folder.export(model, meta, what, out, example_input(meta), size)
     if fmt == "peft":
         from dtrain.commands.export import peft_folder
 

@@ -20,7 +20,7 @@ from dtrain.commands.export.check import TOLERANCE, difference, report
 from dtrain.core.errors import UserError
 from dtrain.models import hf
 
-SHARD_SIZE = "2GB"  # transformers' own default: each safetensors file at most this much
+SHARD_SIZE = "2GB"  # each safetensors file at most this much (transformers 4's default)
 # What a tokenizer is made of, across tokenizer classes: copied from the source folder if there.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -46,27 +46,55 @@ def check_model(meta: dict) -> None:
         )
 
 
+def shard_bytes(size: str) -> int:
+    """--max-shard-size in bytes: a number of bytes, or with a unit as transformers writes them
+    (500MB, 5GB, 2GiB); one line for anything else."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        found = int(size) if size.isdigit() else convert_file_size_to_int(size)
+    except ValueError:
+        found = 0
+    if found < 1:
+        raise UserError(
+            f"export error: --max-shard-size {size}: not a size; give bytes or a size such as "
+            f"500MB or 5GB"
+        )
+    return int(found)
+
+
+def restore_use_cache(model: Any, source: str) -> None:
+    """The key/value cache, off while training, as the source folder has it for use."""
+    saved_config = type(model.config).from_pretrained(source)
+    if hasattr(saved_config, "use_cache"):
+        model.config.use_cache = saved_config.use_cache
+
+
+def copy_tokenizer(source: str, out: str) -> list[str]:
+    """The source folder's tokenizer files, copied into `out`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
 def export(
     module: nn.Module,
     meta: dict,
     path: str,
     out: str,
     example: object,
-    shard_size: str = SHARD_SIZE,
+    shard_size: int,
 ) -> tuple[float, str]:
     """Write the folder `out` (a new one), load it back as a user would, compare the logits."""
     model: Any = module  # a transformers PreTrainedModel (hf.build's)
     cfg = config.from_dict(meta["config"])
     source = hf.resolve(cfg.model.name)
-    saved_config = type(model.config).from_pretrained(source)
-    if hasattr(saved_config, "use_cache"):  # off while training; as the source has it for use
-        model.config.use_cache = saved_config.use_cache
+    restore_use_cache(model, source)
     model.save_pretrained(out, max_shard_size=shard_size)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-            copied.append(name)
+    copied = copy_tokenizer(source, out)
     transformers = hf.library("dtrain export --format hf")
     reloaded = getattr(transformers, type(model).__name__).from_pretrained(
         out, local_files_only=True
