@@ -27,6 +27,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(ema_cost.run)
     import hf_memory  # run on its own: the loading figures of docs/fine-tuning.md
     assert callable(hf_memory.main)
+    import hf_export_memory  # run on its own: the export figures of docs/after_training.md
+    assert callable(hf_export_memory.measure)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:
