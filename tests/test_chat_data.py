@@ -27,6 +27,7 @@ from dtrain.core.errors import UserError
 from dtrain.data import build, node_copy
 from dtrain.data.text import python_docs
 from dtrain.models import GPT
+from dtrain.tasks import logits_of
 
 # In-process commands run under torch's error recorder, which cannot install its fault handler
 # on pytest's captured stderr and says so.
@@ -291,24 +292,31 @@ def test_a_chat_folder_in_an_object_store_gives_the_same_windows(chat, s3, monke
             shutil.rmtree(node_copy.folder_for(url), ignore_errors=True)
 
 
-def masked_loss(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
-    """The cross-entropy by hand, each document through the model alone (a plain loop knows
-    nothing of packing): over the targets the mask counts, one mean over all of them; and, for
-    comparison, the windows' unmasked loss with attention across the documents."""
-    total, counted = torch.zeros(()), 0
+def loss_by_document(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> float:
+    """The cross-entropy by hand over the targets the mask counts, one mean over all of them,
+    each document through the model alone (a plain loop knows nothing of packing)."""
+    total, counted = 0.0, 0
     with torch.no_grad():
         for start, stop in documents(ids, mask):
             if stop - start < 2:
                 continue
             x = torch.from_numpy(ids[start:stop].astype(np.int64))[None]
             weights = torch.from_numpy((mask[start + 1:stop] & 1).astype(bool))
-            per_token = F.cross_entropy(model(x[:, :-1])[0], x[0, 1:], reduction="none")
-            total, counted = total + per_token[weights].sum(), counted + int(weights.sum())
-        windows = (len(ids) - 1) // SEQ
-        x = torch.stack([torch.from_numpy(ids[w * SEQ:w * SEQ + SEQ + 1].astype(np.int64))
-                         for w in range(windows)])
+            logits = logits_of(model(x[:, :-1])).float()[0]
+            per_token = F.cross_entropy(logits, x[0, 1:], reduction="none")
+            total, counted = total + per_token[weights].sum().item(), counted + int(weights.sum())
+    return total / counted
+
+
+def masked_loss(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    """loss_by_document's, and for comparison the windows' unmasked loss with attention across
+    the documents."""
+    windows = (len(ids) - 1) // SEQ
+    x = torch.stack([torch.from_numpy(ids[w * SEQ:w * SEQ + SEQ + 1].astype(np.int64))
+                     for w in range(windows)])
+    with torch.no_grad():
         unmasked = F.cross_entropy(model(x[:, :-1]).transpose(1, 2), x[:, 1:]).item()
-    return (total / counted).item(), unmasked
+    return loss_by_document(model, ids, mask), unmasked
 
 
 def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_path) -> None:

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
-import torch.nn.functional as F
 import transformers
 from conftest import latest, launch
-from test_chat_data import documents, save_tokenizer
+from test_chat_data import documents, loss_by_document, save_tokenizer
 
 from dtrain import cli
 from dtrain.commands.tokenize import command as tokenize
@@ -152,22 +151,6 @@ def test_a_document_s_logits_do_not_change_with_its_neighbour(packed) -> None:
         assert seen[0].abs().max() > 0.01  # (not a model that says nothing)
 
 
-def loss_by_document(model: torch.nn.Module, out: Path, split: str) -> float:
-    """The masked cross-entropy of a split, each document through the model alone."""
-    ids, mask = read(out, split)
-    total, counted = 0.0, 0
-    with torch.no_grad():
-        for start, stop in documents(ids, mask):
-            if stop - start < 2:
-                continue
-            x = torch.from_numpy(ids[start:stop].astype(np.int64))[None]
-            weights = torch.from_numpy((mask[start + 1:stop] & 1).astype(bool))
-            logits = logits_of(model(x[:, :-1])).float()[0]
-            per_token = F.cross_entropy(logits, x[0, 1:], reduction="none")
-            total, counted = total + per_token[weights].sum().item(), counted + int(weights.sum())
-    return total / counted
-
-
 def test_a_llama_folder_trains_on_packed_windows_as_on_each_document_alone(packed, tmp_path):
     """FSDP on 2 ranks, one step at a learning rate that leaves the weights as they were: the
     validation loss over every window equals each document's loss through the folder's model
@@ -182,7 +165,8 @@ def test_a_llama_folder_trains_on_packed_windows_as_on_each_document_alone(packe
     model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
     assert result.losses()
     final = [r for r in result.records() if "val_loss" in r][-1]
-    assert final["val_loss"] == pytest.approx(loss_by_document(model, out, "val"), abs=2e-6)
+    by_hand = loss_by_document(model, *read(out, "val"))
+    assert final["val_loss"] == pytest.approx(by_hand, abs=2e-6)
     assert latest(result.run_dir).exists()
 
 
