@@ -338,7 +338,8 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
     share = {s: meta["counted"][s] / meta["tokens"][s] for s in ("train", "val")}
     assert (f"loss on {share['train']:.1%} of the training tokens and {share['val']:.1%} of the "
             f"validation tokens: the assistant's replies, each with the end-of-turn token after "
-            f"it (the folder's loss masks)") in result.stderr
+            f"it (the folder's loss masks); packed windows: the masks mark where each document "
+            f"starts") in result.stderr
     model = GPT(vocab_size=meta["vocab_size"], seq_len=SEQ, dim=32, depth=1, heads=2)
     saved = torch.load(latest(result.run_dir) / "checkpoint.pt", weights_only=True)["model"]
     model.load_state_dict(saved)

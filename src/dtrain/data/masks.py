@@ -131,4 +131,5 @@ def note(meta: dict[str, Any], counted: dict[str, int], spans: dict[str, Span]) 
         f"{counted[s] / max(1, len(spans[s])):.1%} of the {label[s]} tokens" for s in counted
     )
     what = meta.get("mask") if isinstance(meta.get("mask"), str) else "the tokens the masks mark"
-    return f"loss on {shares}: {what} (the folder's loss masks)"
+    starts = "; packed windows: the masks mark where each document starts" if packed(meta) else ""
+    return f"loss on {shares}: {what} (the folder's loss masks){starts}"
