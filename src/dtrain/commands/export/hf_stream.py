@@ -88,6 +88,8 @@ def export(folder: str, meta: dict, what: str, out: str, limit: int) -> tuple[fl
         tensors = {n: t.contiguous() for n, t in state["model"].items()}
         path = os.path.join(out, file)
         safetensors.save_file(tensors, path, metadata={"format": "pt"})
+        with open(path, "rb") as written:  # on disk before the next file is read
+            os.fsync(written.fileno())
         largest = max(largest, _read_back(path, tensors))
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
