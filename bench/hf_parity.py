@@ -1,10 +1,16 @@
 """A Hugging Face Llama (`hf:PATH`) under dtrain against hand-written loops over the same model
 and batches: the first 10 losses of dtrain's DDP and FSDP runs on 2 ranks against one process
 training the 2 ranks' batches together, and the time of a step of dtrain's FSDP against a plain
-FSDP2 loop (`fully_shard` per decoder layer, then the root) and of dtrain's DDP against a plain
-DDP loop and Accelerate's (on the CPU, Accelerate runs its FSDP as DDP: see below).
+FSDP2 loop (`fully_shard` per decoder layer, then the root) and Accelerate's FSDP2, and of
+dtrain's DDP against a plain DDP loop and Accelerate's DDP.
 
-The model (about 10 M parameters) is made here from a config and saved with save_pretrained;
+On the CPU, Accelerate never chooses FSDP by itself: its state picks FSDP only for GPU-like
+devices and otherwise wraps the model in DDP, whatever the plugin says. The Accelerate FSDP side
+therefore sets its state's distributed type to FSDP after `Accelerator(cpu=True, fsdp_plugin=...)`
+and before `prepare`; everything after that (the wrap policy, `fully_shard` of the blocks and
+the root, backward, the optimizer) is Accelerate's own code.
+
+The model (about 7 M parameters) is made here from a config and saved with save_pretrained;
 the batches are the windows of a token file in the order dtrain's sampler gives them (seeded by
 run.seed, rank r taking every 2nd position), so every side sees the same samples. Sides
 alternate, ROUNDS times; a run's step time is its median after the first two steps; figures are
@@ -86,14 +92,15 @@ def batches(data: str, rank: int | None) -> list[np.ndarray]:
 def plain(kind: str, model_dir: str, data: str) -> None:
     """In this process (or a rank of it): one hand-written loop, printing its figures (JSON).
     `single`: one process, both ranks' batches at once; `fsdp`, `ddp`: plain torch on 2 ranks;
-    `accelerate`: Accelerate's loop (its prepare, its backward) on 2 ranks."""
+    `accelerate-ddp`, `accelerate-fsdp`: Accelerate's loop (its prepare, its backward) on 2
+    ranks."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     rank = None
-    if kind != "single" and kind != "accelerate":
+    if kind in ("fsdp", "ddp"):
         dist.init_process_group("gloo")
         rank = dist.get_rank()
     torch.manual_seed(SEED)
@@ -109,10 +116,8 @@ def plain(kind: str, model_dir: str, data: str) -> None:
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    if kind == "accelerate":
-        from accelerate import Accelerator
-
-        accelerator = Accelerator(cpu=True)
+    if kind.startswith("accelerate"):
+        accelerator = accelerate(kind)
         model, optimizer = accelerator.prepare(model, optimizer)
         rank = accelerator.process_index
     losses, times = [], []
@@ -136,6 +141,25 @@ def plain(kind: str, model_dir: str, data: str) -> None:
         times.append(time.perf_counter() - began)
     if not rank:
         print(json.dumps({"losses": losses, "step_s": statistics.median(times[2:])}), flush=True)
+    if dist.is_initialized():  # gloo torn down at interpreter exit can abort a rank
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def accelerate(kind: str):
+    """Accelerate on the CPU: DDP as it chooses, or its FSDP2 with the CPU gate lifted (above)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    if kind == "accelerate-ddp":
+        return Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    return accelerator
 
 
 def run_plain(kind: str, model_dir: str, data: str) -> dict:
@@ -153,17 +177,19 @@ def main(rounds: int) -> None:
         count = common.make_llama(model_dir, data, LLAMA, {"train": 200_000, "val": 20_000})
         single = run_plain("single", model_dir, data)
         found: dict[str, list[dict]] = {}
-        sides = ["dtrain fsdp", "plain fsdp", "dtrain ddp", "plain ddp", "accelerate"]
+        sides = ["dtrain fsdp", "plain fsdp", "accelerate fsdp", "dtrain ddp", "plain ddp",
+                 "accelerate ddp"]
         for i in range(rounds):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 kind, _, mode = side.partition(" ")
                 result = (dtrain(work, f"{mode}{i}", model_dir, data, mode) if kind == "dtrain"
-                          else run_plain(mode or kind, model_dir, data))
+                          else run_plain(mode if kind == "plain" else f"{kind}-{mode}",
+                                         model_dir, data))
                 found.setdefault(side, []).append(result)
         print(f"Llama of {count / 1e6:.1f} M parameters, 2 ranks on the CPU (gloo), {BATCH} x "
               f"{SEQ_LEN} tokens per rank, AdamW, {rounds} rounds")
         reference = single["losses"]
-        for side in ("dtrain ddp", "dtrain fsdp", "plain fsdp", "plain ddp", "accelerate"):
+        for side in sides:
             losses = found[side][0]["losses"]
             worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
             print(f"  first {STEPS} losses, {side} against one process on both ranks' batches: "
@@ -173,10 +199,10 @@ def main(rounds: int) -> None:
                    for side, runs in found.items()}
         for side, runs in found.items():
             values = [r["step_s"] for r in runs]
-            print(f"  {side:<12} step median {medians[side] * 1000:7.1f} ms "
+            print(f"  {side:<15} step median {medians[side] * 1000:7.1f} ms "
                   f"({min(values) * 1000:.1f}-{max(values) * 1000:.1f})")
-        for ours, theirs in (("dtrain fsdp", "plain fsdp"), ("dtrain ddp", "plain ddp"),
-                             ("dtrain ddp", "accelerate")):
+        for ours, theirs in (("dtrain fsdp", "plain fsdp"), ("dtrain fsdp", "accelerate fsdp"),
+                             ("dtrain ddp", "plain ddp"), ("dtrain ddp", "accelerate ddp")):
             print(f"  steps/s {ours} / {theirs}: {medians[theirs] / medians[ours]:.3f}")
 
 
