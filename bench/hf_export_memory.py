@@ -3,13 +3,16 @@ float32: about 600 MB of weights): from a sharded checkpoint, written file by fi
 (`--max-shard-size 100MB`, the checkpoint's tensors read one file's worth at a time), against the
 same checkpoint converted to one `checkpoint.pt` (`dtrain convert --to full`), which the export
 builds whole (the model, its state dict, transformers' save and the reloaded copy for the check).
+The same for a LoRA fine-tune of that Llama (r=8 on q_proj, v_proj): its sharded checkpoint
+merged file by file (the base's files plus the adapters, hf_merge.py) against its full
+checkpoint, whose export builds the base whole and merges with peft's merge_and_unload.
 
 The checkpoint comes from one step of FSDP on 2 ranks (`ckpt.format=sharded`). Each export is
 its own process, whose anonymous memory (RssAnon: what the process itself allocates, not the
 page cache of the files it maps, such as those it hashes to check their digests) is sampled
 every 10 ms; the figure is its peak.
-Sides alternate, ROUNDS times; figures are the medians, with the range. The two folders'
-tensors are compared too (they must be equal).
+Sides alternate, ROUNDS times; figures are the medians, with the range. Each pair's folders'
+tensors are compared too (equal; the LoRA pair's within float32 rounding).
 
     python bench/hf_export_memory.py [ROUNDS]
 """
@@ -72,39 +75,44 @@ def tensors(folder: Path) -> dict:
     return found
 
 
+def export(source: Path, out: Path, extra: list[str]) -> float:
+    """The peak anonymous memory (MiB) of exporting the checkpoint `source` to `out`."""
+    shutil.rmtree(out, ignore_errors=True)
+    return peak_anonymous(dtrain("export", "--checkpoint", str(source), "--format", "hf",
+                                 "--out", str(out), *extra)) / 2**20
+
+
 def measure(work: Path, rounds: int) -> list[common.Figure]:
     model, data = work / "llama", work / "tokens"
     params = common.make_llama(model, data, LLAMA, {"train": 40_000, "val": 8_000})
-    run_dir = work / "runs" / "sharded"
-    common.run(common.dtrain_cmd(run_dir, [*TRAIN, f"model.name=hf:{model}",
-                                           f"data.root={data}"], nproc=2), timeout=1200)
-    sharded = checkpoint_of(run_dir)
-    full = work / "full"
-    common.run(dtrain("convert", "--checkpoint", str(sharded), "--to", "full", "--out",
-                      str(full)), timeout=1200)
-
-    def export(source: Path, name: str, extra: list[str]) -> float:
-        out = work / name
-        shutil.rmtree(out, ignore_errors=True)
-        return peak_anonymous(dtrain("export", "--checkpoint", str(source), "--format", "hf",
-                                     "--out", str(out), *extra)) / 2**20
-
-    streamed, whole = common.alternate(
-        rounds,
-        lambda _: export(sharded, "streamed", ["--max-shard-size", "100MB"]),
-        lambda _: export(full, "whole", []),
-    )
-    a, b = tensors(work / "streamed"), tensors(work / "whole")
-    equal = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
-    files = len(list((work / "streamed").glob("*.safetensors")))
-    note = (f"{params / 1e6:.0f}M-parameter Llama, {rounds} rounds; {files} files of at most "
-            f"100 MB; tensors equal to the whole export's: {equal}")
-    return [
-        common.Figure("hf_export_streamed_peak_anon_mib", common.median(streamed), "MiB",
-                      detail=f"{min(streamed):.0f}-{max(streamed):.0f}; {note}"),
-        common.Figure("hf_export_whole_peak_anon_mib", common.median(whole), "MiB",
-                      detail=f"{min(whole):.0f}-{max(whole):.0f}"),
-    ]
+    figures = []
+    for kind, extra in (("", []), ("lora_", ["model.lora.r=8", "model.lora.alpha=16"])):
+        run_dir = work / "runs" / f"{kind}sharded"
+        common.run(common.dtrain_cmd(run_dir, [*TRAIN, *extra, f"model.name=hf:{model}",
+                                               f"data.root={data}"], nproc=2), timeout=1200)
+        sharded = checkpoint_of(run_dir)
+        full = work / f"{kind}full"
+        common.run(dtrain("convert", "--checkpoint", str(sharded), "--to", "full", "--out",
+                          str(full)), timeout=1200)
+        streamed, whole = common.alternate(
+            rounds,
+            lambda _, source=sharded, out=work / f"{kind}streamed": export(
+                source, out, ["--max-shard-size", "100MB"]),
+            lambda _, source=full, out=work / f"{kind}whole": export(source, out, []),
+        )
+        a, b = tensors(work / f"{kind}streamed"), tensors(work / f"{kind}whole")
+        same = a.keys() == b.keys()
+        apart = max(float((a[k] - b[k]).abs().max()) for k in a) if same else float("inf")
+        files = len(list((work / f"{kind}streamed").glob("*.safetensors")))
+        note = (f"{params / 1e6:.0f}M-parameter Llama, {rounds} rounds; {files} files of at "
+                f"most 100 MB; largest difference from the whole export's tensors: {apart:.1e}")
+        figures += [
+            common.Figure(f"hf_export_{kind}streamed_peak_anon_mib", common.median(streamed),
+                          "MiB", detail=f"{min(streamed):.0f}-{max(streamed):.0f}; {note}"),
+            common.Figure(f"hf_export_{kind}whole_peak_anon_mib", common.median(whole), "MiB",
+                          detail=f"{min(whole):.0f}-{max(whole):.0f}"),
+        ]
+    return figures
 
 
 if __name__ == "__main__":

@@ -124,6 +124,20 @@ def test_export_peft_loads_onto_the_base_and_hf_holds_the_merged_model(runs, bas
     assert "outputs match the checkpoint on a batch" in made.stdout
     made = dtrain("export", "--run-dir", str(run_dir), "--format", "hf", "--out", str(merged))
     assert made.returncode == 0, made.stderr[-3000:]
+    assert "1 safetensors file, no tokenizer files, the adapters merged into the base file by " \
+        "file" in made.stdout  # the sharded checkpoint's merge: never the whole model
+    # In files of at most 1 MB, with an index; the full checkpoint of the DDP run (the same
+    # adapters) merges through the whole model.
+    in_parts, whole = tmp_path / "in_parts", tmp_path / "whole"
+    made = dtrain("export", "--run-dir", str(run_dir), "--format", "hf", "--out", str(in_parts),
+                  "--max-shard-size", "1MB")
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert len(list(in_parts.glob("model-*-of-*.safetensors"))) > 2
+    assert (in_parts / "model.safetensors.index.json").is_file()
+    made = dtrain("export", "--run-dir", str(runs["ddp"].run_dir), "--format", "hf", "--out",
+                  str(whole))
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert "merged into the base file by file" not in made.stdout
 
     tokens = torch.randint(0, LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     theirs = peft.PeftModel.from_pretrained(
@@ -133,8 +147,9 @@ def test_export_peft_loads_onto_the_base_and_hf_holds_the_merged_model(runs, bas
         expected = ours(tokens).logits
         assert torch.allclose(theirs(tokens).logits, expected, atol=1e-6, rtol=0)
         by_peft = theirs.merge_and_unload()(tokens).logits
-        exported = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
-        assert (exported(tokens).logits - by_peft).abs().max() <= 1e-5
+        for folder in (merged, in_parts, whole):
+            exported = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+            assert (exported(tokens).logits - by_peft).abs().max() <= 1e-5, folder.name
     # dtrain eval puts the adapters on their base as resuming does: the run's own val_loss.
     evaluated = dtrain("eval", "--run-dir", str(run_dir))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
@@ -145,6 +160,18 @@ def test_export_peft_loads_onto_the_base_and_hf_holds_the_merged_model(runs, bas
     plain = transformers.AutoModelForCausalLM.from_pretrained(base["llama"]).eval()
     with torch.no_grad():
         assert (plain(tokens).logits - expected).abs().max() > 1e-4
+    # A base changed since training (one byte of its weights): the merge is refused.
+    weights = base["llama"] / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        refused = dtrain("export", "--run-dir", str(run_dir), "--format", "hf", "--out",
+                         str(tmp_path / "refused"))
+    finally:
+        weights.write_bytes(original)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "the base changed" in refused.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "refused").exists()
 
 
 GPT = ["task.name=language_model", "model.name=gpt", "model.args={dim: 32, depth: 2, heads: 2}",

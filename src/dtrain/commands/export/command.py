@@ -209,7 +209,7 @@ def _streamed(path: str, fmt: str, weights: str) -> tuple[str, dict] | None:
     meta = load_checked(os.path.join(folder, checkpoint.META_FILE))
     from dtrain.commands.export import hf_stream
 
-    return (folder, meta) if hf_stream.streams(config.from_dict(meta["config"])) else None
+    return (folder, meta) if hf_stream.streams(meta) else None
 
 
 def _required(fmt: str) -> None:
@@ -277,7 +277,7 @@ def export(
 
                 hf_folder.check_model(meta)
                 size = hf_folder.shard_bytes(shard_size or hf_folder.SHARD_SIZE)
-                found, line = hf_stream.export(streamed[0], meta, what, staging, size)
+                found, line = hf_stream.export(streamed[0], meta, what, staging, size, path)
             else:
                 assert model is not None
                 found, line = _write(fmt, model, meta, what, staging, list(overrides), weights,

@@ -10,8 +10,11 @@ the source's (hf_folder.py).
 
 The check: every tensor read back from its file equals what was read from the checkpoint, and
 the names and shapes are exactly those the model loads (`from_pretrained` of the folder with
-equal logits is what the suite checks against the whole-model export). A LoRA run's merged
-export and `--weights ema` go through the whole model (hf_folder.py).
+equal logits is what the suite checks against the whole-model export).
+
+A LoRA run on an `hf:` base is written the same way, each tensor merged as it is read
+(hf_merge.py): the base's files, the checkpoint's adapters. `--weights ema`, and a LoRA run
+whose base hf_merge cannot read tensor by tensor, go through the whole model (hf_folder.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,23 +73,35 @@ def file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def export(folder: str, meta: dict, what: str, out: str, limit: int) -> tuple[float, str]:
-    """Write the folder `out` (a new one) from the sharded checkpoint `folder`; returns the
-    check's largest difference and the line to print."""
+def export(
+    folder: str, meta: dict, what: str, out: str, limit: int, where: str
+) -> tuple[float, str]:
+    """Write the folder `out` (a new one) from the sharded checkpoint `folder` (named `where`
+    in messages); returns the check's largest difference and the line to print."""
     safetensors = require("safetensors.torch", "export", "dtrain export --format hf")
     cfg = config.from_dict(meta["config"])
-    with torch.device("meta"):
-        model: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+    merging = lora.enabled(cfg.model)
+    read: Callable[[Iterable[list[str]]], Iterator[dict[str, torch.Tensor]]]
+    if merging:
+        from dtrain.commands.export import hf_merge
+
+        model: Any = hf_merge.base_model(meta)
+        read = hf_merge.Merged(folder, meta, where).tensors
+    else:
+        with torch.device("meta"):
+            model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+
+        def read(parts: Iterable[list[str]]) -> Iterator[dict[str, torch.Tensor]]:
+            return _from_checkpoint(folder, shapes, parts)
+
     shapes = model.state_dict()
-    names = saved_names(model)
-    parts = groups(shapes, names, limit)
+    parts = groups(shapes, saved_names(model), limit)
     files = file_names(len(parts))
     os.makedirs(out, exist_ok=True)
     weight_map: dict[str, str] = {}
     total, largest = 0, 0.0
-    states = ({"model": {n: _empty(shapes[n]) for n in part}} for part in parts)
-    for file, state in zip(files, read_sharded_in_parts(folder, states), strict=True):
-        tensors = {n: t.contiguous() for n, t in state["model"].items()}
+    for file, part in zip(files, read(parts), strict=True):
+        tensors = {n: t.contiguous() for n, t in part.items()}
         path = os.path.join(out, file)
         safetensors.save_file(tensors, path, metadata={"format": "pt"})
         with open(path, "rb") as written:  # on disk before the next file is read
@@ -93,7 +109,7 @@ def export(folder: str, meta: dict, what: str, out: str, limit: int) -> tuple[fl
         largest = max(largest, _read_back(path, tensors))
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del state, tensors
+        del part, tensors
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as f:
@@ -108,13 +124,23 @@ def export(folder: str, meta: dict, what: str, out: str, limit: int) -> tuple[fl
     copied = copy_tokenizer(source, out)
     what_files = f"{len(files)} safetensors file{'s' if len(files) > 1 else ''}"
     tokenizer = ", the tokenizer" if copied else ", no tokenizer files"
+    how = "the adapters merged into the base file by file" if merging else "written file by file"
     return report(
         what,
         out,
-        f"Hugging Face folder: config.json, {what_files}{tokenizer}, written file by file",
+        f"Hugging Face folder: config.json, {what_files}{tokenizer}, {how}",
         largest,
         "weights",
     )
+
+
+def _from_checkpoint(
+    folder: str, shapes: dict[str, torch.Tensor], parts: Iterable[list[str]]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """For each list of names in turn, those tensors read from the DCP folder."""
+    states = ({"model": {n: _empty(shapes[n]) for n in part}} for part in parts)
+    for state in read_sharded_in_parts(folder, states):
+        yield state["model"]
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -138,7 +164,11 @@ def _read_back(path: str, written: dict[str, torch.Tensor]) -> float:
     return largest
 
 
-def streams(cfg: Any) -> bool:
-    """Whether `--format hf` of a sharded checkpoint's model weights goes file by file: not
-    for a LoRA run (its adapters merge into the base's weights, whole)."""
-    return not lora.enabled(cfg.model)
+def streams(meta: dict) -> bool:
+    """Whether `--format hf` of a sharded checkpoint's model weights goes file by file: yes,
+    but for a LoRA run whose base hf_merge cannot read tensor by tensor."""
+    if not lora.enabled(config.from_dict(meta["config"]).model):
+        return True
+    from dtrain.commands.export import hf_merge
+
+    return hf_merge.fits(meta)
