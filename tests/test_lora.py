@@ -200,6 +200,12 @@ def test_gpt_fine_tunes_from_its_pretraining_and_a_changed_base_is_refused(tmp_p
                        pre_model.state_dict()["blocks.0.attn.qkv.weight"])
     longer = launch(tmp_path / "tuned", [*job, "train.max_steps=5"])
     assert longer.returncode == 0 and "resumed from" in longer.stderr, longer.stderr[-3000:]
+    # dtrain eval puts the adapters on the init_from base they trained on: the run's val_loss.
+    evaluated = dtrain("eval", "--run-dir", str(tmp_path / "tuned"))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    last = [r for r in longer.records() if "val_loss" in r][-1]
+    assert float(evaluated.stdout.split("val_loss ")[1].split()[0]) == pytest.approx(
+        last["val_loss"], rel=1e-5)
 
     changed = torch.load(weights, weights_only=True)
     changed["norm.weight"] += 1
@@ -216,6 +222,39 @@ def test_gpt_fine_tunes_from_its_pretraining_and_a_changed_base_is_refused(tmp_p
         assert refused.returncode == 2, refused.stderr[-2000:]
         assert "the base changed" in refused.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "adapters").exists()
+
+
+def test_an_hf_base_from_init_from_merges_onto_those_weights(runs, base, tmp_path):
+    """LoRA on an `hf:` model whose starting weights are another file's (model.init_from: say,
+    a full fine-tune of it): eval and `--format hf` put the adapters on those weights, not on
+    the folder's."""
+    start = {k: v + 0.01 for k, v in _base_weights(runs).items()}
+    weights = tmp_path / "start.pt"
+    torch.save(start, weights)
+    tuned = launch(tmp_path / "tuned", [*runs["job"], f"model.init_from={weights}",
+                                        "parallel.mode=fsdp", "ckpt.format=sharded",
+                                        "train.max_steps=3"], nproc=2)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    evaluated = dtrain("eval", "--run-dir", str(tuned.run_dir))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    last = [r for r in tuned.records() if "val_loss" in r][-1]
+    assert float(evaluated.stdout.split("val_loss ")[1].split()[0]) == pytest.approx(
+        last["val_loss"], rel=1e-5)
+    merged = tmp_path / "merged"
+    made = dtrain("export", "--run-dir", str(tuned.run_dir), "--format", "hf", "--out",
+                  str(merged))
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert "merged into the base file by file" not in made.stdout  # (the folder's is not it)
+    assert "torch.distributed is disabled" not in made.stderr
+    exported = load_file(str(merged / "model.safetensors"))
+    name = "model.embed_tokens.weight"  # no adapter: the starting weights as they were
+    assert torch.equal(exported[name], start[name])
+    ours, _ = load_model(str(latest(tuned.run_dir)))
+    tokens = torch.randint(0, LLAMA["vocab_size"], (2, 16),
+                           generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+        assert (theirs(tokens).logits - ours(tokens).logits).abs().max() <= 1e-5
 
 
 def test_targets_that_match_nothing_are_one_line_and_a_classifier_head_trains(base):

@@ -85,7 +85,11 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
         key, value = config.parse_override(text)
         config.set_dotted(merged, key, value)
     # Where the weights come from is the checkpoint: the files a fine-tuning run started from
-    # (model.init_from, model.pretrained) are neither needed nor checked here.
+    # (model.init_from, model.pretrained) are neither needed nor checked here, but for a LoRA
+    # run's, which hold its frozen base (checked against the checkpoint's digest).
+    cfg = config.from_dict(merged)
+    if lora.enabled(cfg.model):
+        return cfg
     config.set_dotted(merged, "model.init_from", None)
     config.set_dotted(merged, "model.pretrained", False)
     return config.from_dict(merged)

@@ -124,7 +124,8 @@ def load_model(path: str, weights: str = "model", adapters: bool = False) -> tup
     cfg = config.from_dict(meta["config"])
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     adapters_only = lora.enabled(cfg.model)
-    prepare_base(model, cfg, meta["model_info"], path)
+    with _one_process():  # (a sharded model.init_from: the base, read here)
+        prepare_base(model, cfg, meta["model_info"], path)
     held = trained_shapes(model, adapters_only)
     if sharded:
         state = {"model": {k: v for k, v in model.state_dict().items() if k in held}}

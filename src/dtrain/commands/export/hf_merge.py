@@ -55,6 +55,8 @@ def fits(meta: dict) -> bool:
     cfg = config.from_dict(meta["config"])
     if not (lora.enabled(cfg.model) and cfg.model.name.startswith("hf:")):
         return False
+    if cfg.model.init_from:  # the base's weights are another file's, not the folder's
+        return False
     base, adapted = base_model(meta), adapted_model(meta)
     trained = {lora.base_name(k) for k in trained_shapes(adapted, adapters_only=True)}
     files = _files(cfg)
