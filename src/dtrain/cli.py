@@ -24,6 +24,8 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 RUN_DIR_HELP = "the run directory (or DIR alone); --run is the same outside torchrun"
+WEIGHTS = ("model", "ema")
+WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema)"
 
 
 # Said by the commands that read runs and checkpoints (and write outputs) where they lie.
@@ -317,12 +319,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         metavar="latest|best|PATH",
         help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
     )
-    p.add_argument(
-        "--weights",
-        choices=("model", "ema"),
-        default="model",
-        help="the trained weights (default) or their average (train.ema)",
-    )
+    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
     p.add_argument("overrides", nargs="*", metavar="[DIR] section.key=value")
     p = command("export", "export a checkpoint's weights for use without dtrain", _export)
@@ -349,7 +346,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "the 'transformers' extra, peft (a LoRA run's adapters) the 'peft' extra; a LoRA run's "
         "other formats hold the merged model (default state_dict)",
     )
-    p.add_argument("--weights", choices=("model", "ema"), default="model")
+    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     p.add_argument(
         "--max-shard-size",
         metavar="SIZE",
