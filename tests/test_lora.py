@@ -19,7 +19,7 @@ from dtrain.checkpoint.state import dcp_model_shapes
 from dtrain.commands.export.command import load_model
 from dtrain.config import LoraConfig, ModelConfig
 from dtrain.core.errors import UserError
-from test_hf_models import LLAMA, LM
+from test_hf_models import GPT2, LLAMA, LM
 from test_tokens import token_folder
 
 pytestmark = pytest.mark.slow
@@ -222,6 +222,41 @@ def test_gpt_fine_tunes_from_its_pretraining_and_a_changed_base_is_refused(tmp_p
         assert refused.returncode == 2, refused.stderr[-2000:]
         assert "the base changed" in refused.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "adapters").exists()
+
+
+def test_gpt2_in_several_files_merges_file_by_file_as_peft_merges_it(base, tmp_path):
+    """Another family: GPT-2 (Conv1D layers, weights stored (in, out); the head tied to the
+    token embedding), saved in several files. Its sharded LoRA checkpoint merges file by file,
+    equal to peft's merge_and_unload, and the head stays tied."""
+    import peft
+
+    torch.manual_seed(0)
+    folder = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).save_pretrained(
+        folder, max_shard_size="200KB")
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
+    tuned = launch(tmp_path / "tuned", [*LM, *LORA, f"model.name=hf:{folder}", "train.max_steps=3",
+                                        f"data.root={base['tokens']}", "parallel.mode=fsdp",
+                                        "ckpt.format=sharded"], nproc=2)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "LoRA r=4, alpha 8 on c_attn:" in tuned.stderr
+    adapters, merged = tmp_path / "adapters", tmp_path / "merged"
+    for fmt, out in (("peft", adapters), ("hf", merged)):
+        made = dtrain("export", "--run-dir", str(tuned.run_dir), "--format", fmt, "--out", str(out))
+        assert made.returncode == 0, made.stderr[-3000:]
+    assert "the adapters merged into the base file by file" in made.stdout
+    tokens = torch.randint(0, GPT2["vocab_size"], (2, 16),
+                           generator=torch.Generator().manual_seed(3))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+    with torch.no_grad():
+        expected = plain(tokens).logits
+        by_peft = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(folder), adapters
+        ).merge_and_unload()(tokens).logits
+        assert (exported(tokens).logits - by_peft).abs().max() <= 1e-5
+        assert (by_peft - expected).abs().max() > 1e-4  # the adapters moved it
 
 
 def test_an_hf_base_from_init_from_merges_onto_those_weights(runs, base, tmp_path):

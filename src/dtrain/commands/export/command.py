@@ -199,8 +199,8 @@ def check_request(
         hf_folder.shard_bytes(shard_size)
 
 
-def _streamed(path: str, fmt: str, weights: str) -> tuple[str, dict] | None:
-    """(The DCP folder, the metadata) of a sharded checkpoint that --format hf exports file by
+def _streamed(path: str, fmt: str, weights: str) -> tuple[Any, dict] | None:
+    """(What to write, the metadata) of a sharded checkpoint that --format hf exports file by
     file (hf_stream.py); None for every other export."""
     if fmt != "hf" or weights != "model":
         return None
@@ -208,9 +208,11 @@ def _streamed(path: str, fmt: str, weights: str) -> tuple[str, dict] | None:
     if kind != "sharded":
         return None
     meta = load_checked(os.path.join(folder, checkpoint.META_FILE))
-    from dtrain.commands.export import hf_stream
+    from dtrain.commands.export import hf_folder, hf_stream
 
-    return (folder, meta) if hf_stream.streams(meta) else None
+    hf_folder.check_model(meta)
+    source = hf_stream.source(folder, meta, path)
+    return None if source is None else (source, meta)
 
 
 def _required(fmt: str) -> None:
@@ -276,9 +278,8 @@ def export(
             if streamed:
                 from dtrain.commands.export import hf_folder, hf_stream
 
-                hf_folder.check_model(meta)
                 size = hf_folder.shard_bytes(shard_size or hf_folder.SHARD_SIZE)
-                found, line = hf_stream.export(streamed[0], meta, what, staging, size, path)
+                found, line = hf_stream.export(streamed[0], meta, what, staging, size)
             else:
                 assert model is not None
                 found, line = _write(fmt, model, meta, what, staging, list(overrides), weights,

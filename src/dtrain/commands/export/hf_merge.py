@@ -12,12 +12,14 @@ tensors come out in float32, as the whole-model export writes them. The adapters
 the meta device with the rest of the model and given their values alone, so the memory held is
 the adapters' and the file being written.
 
-A base whose folder does not hold every tensor under the model's name and shape, or a LoRA
-layer whose weight is tied to another tensor, goes through the whole model instead (`fits`).
+A run whose base is not the folder's files as they are (weights from model.init_from, a tensor
+missing from the files under the model's name and shape) or with a LoRA layer whose weight is
+tied to another tensor goes through the whole model instead (`merged` is None).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,61 +36,15 @@ from dtrain.run.weights import prepare_base
 ADAPTER = "default"  # peft's name for the one adapter model.lora makes
 
 
-def base_model(meta: dict) -> nn.Module:
-    """The LoRA run's base model on the meta device: names, shapes and config, no weights."""
-    cfg = config.from_dict(meta["config"])
-    with torch.device("meta"):
-        return models.build(lora.without(cfg).model, meta["model_info"], cfg.run.seed)
-
-
-def adapted_model(meta: dict) -> Any:
-    """The run's model with its adapters (peft's), on the meta device."""
-    cfg = config.from_dict(meta["config"])
-    with torch.device("meta"):
-        return models.build(cfg.model, meta["model_info"], cfg.run.seed)
-
-
-def fits(meta: dict) -> bool:
-    """Whether the run's merged model can be read tensor by tensor: an `hf:PATH` base whose
-    every tensor is in the checkpoint (it trained) or in the base's files under its name and
-    shape, and no adapted weight tied to another name (merging it would change both)."""
-    cfg = config.from_dict(meta["config"])
-    if not (lora.enabled(cfg.model) and cfg.model.name.startswith("hf:")):
-        return False
-    if cfg.model.init_from:  # the base's weights are another file's, not the folder's
-        return False
-    base, adapted = base_model(meta), adapted_model(meta)
-    trained = {lora.base_name(k) for k in trained_shapes(adapted, adapters_only=True)}
-    files = _files(cfg)
-    named = base.state_dict(keep_vars=True)
-    if any(n not in trained and files.shape(n) != tuple(t.shape) for n, t in named.items()):
-        return False
-    uses: dict[int, int] = {}
-    for tensor in named.values():
-        uses[id(tensor)] = uses.get(id(tensor), 0) + 1
-    return all(n in named and uses[id(named[n])] == 1 for n in _layers(adapted))
-
-
 class Merged:
-    """The merged tensors of the LoRA checkpoint in the DCP folder `folder` (named `where` in
-    messages), by base-model name."""
+    """The merged model's tensors, by base-model name."""
 
-    def __init__(self, folder: str, meta: dict, where: str) -> None:
-        cfg = config.from_dict(meta["config"])
-        adapted = adapted_model(meta)
-        prepare_base(adapted, cfg, meta["model_info"], where)  # the base's digest, checked
-        held = trained_shapes(adapted, adapters_only=True)
-        like = adapted.state_dict()
-        state = {"model": {k: torch.empty(held[k], dtype=like[k].dtype) for k in held}}
-        saved = next(read_sharded_in_parts(folder, [state]))["model"]
-        problem = shape_mismatch(held, {k: tuple(v.shape) for k, v in saved.items()})
-        if problem:
-            raise UserError(f"checkpoint error: {where}: {problem}")
-        adapters = {k: v for k, v in saved.items() if lora.base_name(k) is None}
-        adapted.load_state_dict(adapters, strict=False, assign=True)
-        self.layers = _layers(adapted)
-        self.trained = {lora.base_name(k): v for k, v in saved.items() if k not in adapters}
-        self.files = _files(cfg)
+    def __init__(
+        self, layers: dict[str, Any], trained: dict[str, torch.Tensor], files: hf.WeightFiles
+    ) -> None:
+        self.layers = layers  # peft's adapted layers, by the name of the weight they adapt
+        self.trained = trained  # what trained in full, from the checkpoint
+        self.files = files  # the base's
 
     def tensors(self, names: Iterable[list[str]]) -> Iterator[dict[str, torch.Tensor]]:
         """For each list of names in turn, those tensors of the merged model."""
@@ -97,20 +53,51 @@ class Merged:
 
     def tensor(self, name: str) -> torch.Tensor:
         tensor = self.trained.get(name)
-        if tensor is None:
-            tensor = self.files.whole(name)
-        if tensor.is_floating_point():
-            tensor = tensor.float()
-        layer = None if name in self.trained else self.layers.get(name)
+        if tensor is not None:
+            return tensor.float() if tensor.is_floating_point() else tensor
+        tensor = self.files.whole(name)
+        tensor = tensor.float() if tensor.is_floating_point() else tensor
+        layer = self.layers.get(name)
         if layer is not None:
             with torch.no_grad():
                 tensor = tensor + layer.get_delta_weight(ADAPTER).float()
         return tensor
 
 
-def _files(cfg: Any) -> hf.WeightFiles:
-    folder = hf.resolve(cfg.model.name)
-    return hf.WeightFiles(folder, hf.weight_files(cfg.model.name, folder))
+def merged(
+    folder: str, meta: dict, where: str, base: nn.Module, written: list[str]
+) -> Merged | None:
+    """The merged tensors of the LoRA checkpoint in the DCP folder `folder` (named `where` in
+    messages), whose base is `base` (on the meta device) and whose export holds the tensors
+    `written`; None where they cannot be read tensor by tensor (the module's docstring)."""
+    cfg = config.from_dict(meta["config"])
+    if not cfg.model.name.startswith("hf:") or cfg.model.init_from:
+        return None
+    with torch.device("meta"):
+        adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+    held = trained_shapes(adapted, adapters_only=True)
+    trained = {lora.base_name(k) for k in held}
+    source = hf.resolve(cfg.model.name)
+    files = hf.WeightFiles(source, hf.weight_files(cfg.model.name, source))
+    named = base.state_dict(keep_vars=True)
+    if any(n not in trained and files.shape(n) != tuple(named[n].shape) for n in written):
+        return None
+    layers = _layers(adapted)
+    uses = Counter(id(tensor) for tensor in named.values())
+    if any(n not in named or uses[id(named[n])] > 1 for n in layers):
+        return None  # merging a tied weight would change its twin too
+
+    prepare_base(adapted, cfg, meta["model_info"], where)  # the base's digest, checked
+    like = adapted.state_dict()
+    state = {"model": {k: torch.empty(held[k], dtype=like[k].dtype) for k in held}}
+    saved = next(read_sharded_in_parts(folder, [state]))["model"]
+    problem = shape_mismatch(held, {k: tuple(v.shape) for k, v in saved.items()})
+    if problem:
+        raise UserError(f"checkpoint error: {where}: {problem}")
+    adapters = {k: v for k, v in saved.items() if lora.base_name(k) is None}
+    adapted.load_state_dict(adapters, strict=False, assign=True)
+    in_full = {str(lora.base_name(k)): v for k, v in saved.items() if k not in adapters}
+    return Merged(layers, in_full, files)
 
 
 def _layers(adapted: nn.Module) -> dict[str, Any]:

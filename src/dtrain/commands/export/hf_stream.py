@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,34 +74,45 @@ def file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def export(
-    folder: str, meta: dict, what: str, out: str, limit: int, where: str
-) -> tuple[float, str]:
-    """Write the folder `out` (a new one) from the sharded checkpoint `folder` (named `where`
-    in messages); returns the check's largest difference and the line to print."""
+@dataclass(frozen=True)
+class Source:
+    """What a file-by-file export writes: the model on the meta device (names, shapes and
+    config), the names saved, and their tensors read a list of names at a time."""
+
+    model: nn.Module
+    names: list[str]
+    read: Callable[[Iterable[list[str]]], Iterator[dict[str, torch.Tensor]]]
+    merging: bool  # a LoRA run's adapters, merged into the base as it is read
+
+
+def source(folder: str, meta: dict, where: str) -> Source | None:
+    """The file-by-file export of the sharded checkpoint `folder` (named `where` in messages);
+    None for a LoRA run whose merge hf_merge cannot read tensor by tensor."""
+    cfg = config.from_dict(meta["config"])
+    with torch.device("meta"):  # a LoRA run's: its base, which the export holds merged
+        model: Any = models.build(lora.without(cfg).model, meta["model_info"], cfg.run.seed)
+    names = saved_names(model)
+    if not lora.enabled(cfg.model):
+        shapes = model.state_dict()
+        return Source(model, names, lambda parts: _from_checkpoint(folder, shapes, parts), False)
+    from dtrain.commands.export import hf_merge
+
+    merged = hf_merge.merged(folder, meta, where, model, names)
+    return None if merged is None else Source(model, names, merged.tensors, True)
+
+
+def export(source: Source, meta: dict, what: str, out: str, limit: int) -> tuple[float, str]:
+    """Write the folder `out` (a new one) from `source`; returns the check's largest
+    difference and the line to print."""
     safetensors = require("safetensors.torch", "export", "dtrain export --format hf")
     cfg = config.from_dict(meta["config"])
-    merging = lora.enabled(cfg.model)
-    read: Callable[[Iterable[list[str]]], Iterator[dict[str, torch.Tensor]]]
-    if merging:
-        from dtrain.commands.export import hf_merge
-
-        model: Any = hf_merge.base_model(meta)
-        read = hf_merge.Merged(folder, meta, where).tensors
-    else:
-        with torch.device("meta"):
-            model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
-
-        def read(parts: Iterable[list[str]]) -> Iterator[dict[str, torch.Tensor]]:
-            return _from_checkpoint(folder, shapes, parts)
-
-    shapes = model.state_dict()
-    parts = groups(shapes, saved_names(model), limit)
+    model: Any = source.model
+    parts = groups(model.state_dict(), source.names, limit)
     files = file_names(len(parts))
     os.makedirs(out, exist_ok=True)
     weight_map: dict[str, str] = {}
     total, largest = 0, 0.0
-    for file, part in zip(files, read(parts), strict=True):
+    for file, part in zip(files, source.read(parts), strict=True):
         tensors = {n: t.contiguous() for n, t in part.items()}
         path = os.path.join(out, file)
         safetensors.save_file(tensors, path, metadata={"format": "pt"})
@@ -114,17 +126,21 @@ def export(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    source = hf.resolve(cfg.model.name)
-    restore_use_cache(model, source)
+    origin = hf.resolve(cfg.model.name)
+    restore_use_cache(model, origin)
     model.config.save_pretrained(out)
-    if os.path.isfile(os.path.join(source, GENERATION_CONFIG)):
+    if os.path.isfile(os.path.join(origin, GENERATION_CONFIG)):
         shutil.copyfile(
-            os.path.join(source, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG)
+            os.path.join(origin, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG)
         )
-    copied = copy_tokenizer(source, out)
+    copied = copy_tokenizer(origin, out)
     what_files = f"{len(files)} safetensors file{'s' if len(files) > 1 else ''}"
     tokenizer = ", the tokenizer" if copied else ", no tokenizer files"
-    how = "the adapters merged into the base file by file" if merging else "written file by file"
+    how = (
+        "the adapters merged into the base file by file"
+        if source.merging
+        else "written file by file"
+    )
     return report(
         what,
         out,
@@ -162,13 +178,3 @@ def _read_back(path: str, written: dict[str, torch.Tensor]) -> float:
                 back = f.get_tensor(name)
                 largest = max(largest, float((back.float() - tensor.float()).abs().max()))
     return largest
-
-
-def streams(meta: dict) -> bool:
-    """Whether `--format hf` of a sharded checkpoint's model weights goes file by file: yes,
-    but for a LoRA run whose base hf_merge cannot read tensor by tensor."""
-    if not lora.enabled(config.from_dict(meta["config"]).model):
-        return True
-    from dtrain.commands.export import hf_merge
-
-    return hf_merge.fits(meta)
