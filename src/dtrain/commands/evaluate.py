@@ -90,9 +90,9 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
     cfg = config.from_dict(merged)
     if lora.enabled(cfg.model):
         return cfg
-    config.set_dotted(merged, "model.init_from", None)
-    config.set_dotted(merged, "model.pretrained", False)
-    return config.from_dict(merged)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, init_from=None, pretrained=False)
+    )
 
 
 def _merge(base: dict, top: dict) -> None:
