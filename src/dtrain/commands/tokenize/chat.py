@@ -119,9 +119,11 @@ class Replies:
         self.special = {i for i, token in decoder.items() if token.special}
         # No token stands for more characters of text than its own longest spelling in the
         # vocabulary has (byte-level tokens spell one character per byte, which is at most one
-        # character of text): text longer than a window of those cannot fit it. The check
-        # costs a sum of lengths, where rendering and tokenizing a 20 MB conversation took
-        # minutes and gigabytes before its length was known.
+        # character of text): text longer than a window of those cannot fit it. (An unknown
+        # token of a tokenizer without byte fallback may stand for a longer run of characters
+        # it cannot spell; chat models' tokenizers fall back to bytes.) The check costs a sum
+        # of lengths, where rendering and tokenizing a 20 MB conversation took minutes and
+        # gigabytes before its length was known.
         self.longest = max(map(len, tokenizer.get_vocab()), default=1)
 
     def _check_length(self, conversation: Conversation) -> None:
