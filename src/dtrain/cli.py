@@ -139,26 +139,9 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from dtrain.commands.tokenize import command as tokenize
+    from dtrain.commands.tokenize import main as tokenize
 
-    meta = tokenize.tokenize(
-        args.inputs,
-        args.out,
-        vocab_size=args.vocab_size,
-        tokenizer_path=args.tokenizer,
-        corpus=args.corpus,
-        val_fraction=args.val_fraction,
-        val_inputs=args.val,
-        column=args.column,
-        workers=args.workers,
-        overwrite=args.overwrite,
-        eot=args.eot,
-        chat=args.chat,
-        pack=args.pack,
-        seq_len=args.seq_len,
-    )
-    print(tokenize.summary(args.out, meta))
-    return 0
+    return tokenize.main(args)
 
 
 def _tokenize_options(p: argparse.ArgumentParser) -> None:
@@ -217,7 +200,17 @@ def _tokenize_options(p: argparse.ArgumentParser) -> None:
         "train with data.tokens.seq_len a multiple of it)",
     )
     p.add_argument(
-        "--workers", type=int, metavar="K", help="encoding threads (default: every core)"
+        "--workers",
+        type=int,
+        metavar="K",
+        help="encoding threads, at most the cores this process may use (default: all of them)",
+    )
+    p.add_argument(
+        "--render-timeout",
+        type=float,
+        metavar="S",
+        help="with --chat: the seconds rendering one conversation with the chat template may "
+        "take (default 10)",
     )
     p.add_argument(
         "--eot",

@@ -24,12 +24,29 @@ import numpy as np
 
 from dtrain.core.errors import UserError
 from dtrain.files import names
+from dtrain.files.digests import file_digest
 
 if TYPE_CHECKING:
     from dtrain.data.tokens import Span
 
 # How many mask bytes are counted at a time, for a folder whose meta.json does not say.
 _COUNT_CHUNK = 1 << 24
+_FLAGS = names.MASK_COUNTED | names.MASK_STARTS  # every other bit of a mask byte is undefined
+
+
+def on_disk(path: str) -> bool:
+    """Whether a token folder's file (a token file, a mask, meta.json) is there on a disk; one
+    that is there but is no regular file (a device such as /dev/zero behind a link, a folder,
+    a dangling link) is an error naming it, not a file that is missing."""
+    if os.path.isfile(path):
+        return True
+    if not os.path.lexists(path):
+        return False
+    what = "a dangling link" if not os.path.exists(path) else "a folder or a device"
+    raise UserError(
+        f"data error: {path} is not a regular file ({what}); a token folder holds files of "
+        f"token ids, masks and meta.json"
+    )
 
 
 def find(root: str, files: dict[str, list[str]], listed: Any) -> dict[str, list[str]]:
@@ -55,9 +72,7 @@ def _beside(root: str, split: str, token_paths: Sequence[str], listed: Any) -> l
         else f"{p.rpartition('/')[0]}/{names.loss_mask(p.rpartition('/')[2])}"
         for p in token_paths
     ]
-    present = [
-        os.path.isfile(m) if listed is None else m.rpartition("/")[2] in listed for m in masks
-    ]
+    present = [on_disk(m) if listed is None else m.rpartition("/")[2] in listed for m in masks]
     if not any(present):
         return None
     if not all(present):
@@ -80,18 +95,50 @@ def check_sizes(tokens: Span, masks: Span, paths: Sequence[str]) -> None:
             )
 
 
-def counted(meta: dict[str, Any], split: str, masks: Span) -> int:
-    """The tokens a split's masks count: meta.json's `counted` (dtrain tokenize writes it), or
-    for a folder made by hand, the bytes with the COUNTED flag, read once."""
+def counted(meta: dict[str, Any], split: str, masks: Span, digests: dict[str, str]) -> int:
+    """The tokens a split's masks count: meta.json's `counted` (dtrain tokenize writes it) where
+    meta.json's `digests` vouch for every mask of the split; otherwise (a folder made by hand,
+    or an older one) the bytes with the COUNTED flag, read once, every byte checked to hold no
+    flag but COUNTED and STARTS."""
     said = (meta.get("counted") or {}).get(split)
-    if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
+    vouched = [_matches_digest(part, digests) for part in masks.parts]
+    if all(vouched) and isinstance(said, int) and not isinstance(said, bool) and said >= 0:
         return said
     total = 0
     for start in range(0, len(masks), _COUNT_CHUNK):
         chunk = np.empty(min(_COUNT_CHUNK, len(masks) - start), dtype=np.uint8)
         masks.read(start, chunk)
+        undefined = np.flatnonzero(chunk & ~np.uint8(_FLAGS))
+        if undefined.size:
+            path, at = masks.locate(start + int(undefined[0]))
+            raise UserError(
+                f"data error: {path}: byte {at} is {int(chunk[undefined[0]]):#04x}, not a loss "
+                f"mask's: its flags are {names.MASK_COUNTED} (counted) and {names.MASK_STARTS} "
+                f"(starts a document) alone; the file is damaged, or not a mask (make the folder "
+                f"again with dtrain tokenize)"
+            )
         total += int(np.count_nonzero(chunk & names.MASK_COUNTED))
     return total
+
+
+def _matches_digest(part: Any, digests: dict[str, str]) -> bool:
+    """Whether meta.json's digest vouches for a mask: a file on a disk is hashed here (a byte
+    per token: a fraction of the token files' reading); a store's shard is checked against it
+    as a node copies it (data/node_copy.py), but not when read by ranged requests. False where
+    meta.json has no digest of it or it is not checked; a file that differs from its digest is
+    an error naming it."""
+    if not isinstance(part, str):
+        return bool(part.digest) and part.cache is not None
+    expected = digests.get(os.path.basename(part))
+    if not expected:
+        return False
+    if file_digest(part) != expected:
+        raise UserError(
+            f"data error: {part} differs from the digest meta.json holds for it (changed or "
+            f"damaged since dtrain tokenize wrote the folder); make the folder again with "
+            f"dtrain tokenize, or restore the file"
+        )
+    return True
 
 
 def check_counted(counted: int, split: str, paths: Sequence[str]) -> None:

@@ -39,6 +39,7 @@ from dtrain.data.tokens import (
     check_ids,
     count_windows,
     enough_windows,
+    masks_note,
     read_folder,
 )
 from dtrain.files import names
@@ -297,8 +298,5 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
     ]
     if folders[0].masks:
         for folder in folders:
-            counted = {s: loss_masks.counted(folder.meta, s, m) for s, m in folder.masks.items()}
-            for split, count in counted.items():
-                loss_masks.check_counted(count, split, folder.files[split])
-            notes.append(f"{folder.root}: {loss_masks.note(folder.meta, counted, folder.spans)}")
+            notes.append(f"{folder.root}: {masks_note(folder)}")
     return Datasets(train_set, SourcedWindows(val_sets), _info(cfg, folders, seq_len), notes)

@@ -281,8 +281,9 @@ def _split_files(root: str, split: str, listed: dict[str, int] | None = None) ->
         present = names.token_file(split) in listed
     else:
         single = os.path.join(root, names.token_file(split))
-        shards = sorted(glob.glob(os.path.join(glob.escape(root), names.token_shards(split))))
-        present = os.path.isfile(single)
+        found = glob.glob(os.path.join(glob.escape(root), names.token_shards(split)))
+        shards = sorted(p for p in found if loss_masks.on_disk(p))
+        present = loss_masks.on_disk(single)
     if present and shards:
         raise UserError(
             f"data error: {root} holds both {split}.bin and {split}_*.bin shards; keep one form"
@@ -375,7 +376,7 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
     files = {split: _split_files(root, split, listed) for split in splits}
     mask_files = loss_masks.find(root, files, listed)
     meta_path = join(root, names.TOKEN_META) if listed else os.path.join(root, names.TOKEN_META)
-    if meta_bytes is not None or (listed is None and os.path.isfile(meta_path)):
+    if meta_bytes is not None or (listed is None and loss_masks.on_disk(meta_path)):
         meta = _read_meta(meta_path, meta_bytes)
         dtype = _meta_value(meta, "dtype", meta_path, DTYPES.__contains__, "uint16 or uint32")
         vocab = _meta_value(meta, "vocab_size", meta_path, _is_count, "a positive integer")
@@ -474,8 +475,18 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
     )
     notes = [banner]
     if masks:
-        counted = {split: loss_masks.counted(folder.meta, split, m) for split, m in masks.items()}
-        for split, count in counted.items():
-            loss_masks.check_counted(count, split, folder.files[split])
-        notes.append(loss_masks.note(folder.meta, counted, spans))
+        notes.append(masks_note(folder))
     return Datasets(train, val, folder.info(seq_len), notes)
+
+
+def masks_note(folder: Folder) -> str:
+    """The banner's line of a masked folder, once each split's masks are checked: what
+    meta.json's digests say they are (or of defined flags alone), and counting some token."""
+    digests = _digests(folder.meta)
+    counted = {
+        split: loss_masks.counted(folder.meta, split, m, digests)
+        for split, m in folder.masks.items()
+    }
+    for split, count in counted.items():
+        loss_masks.check_counted(count, split, folder.files[split])
+    return loss_masks.note(folder.meta, counted, folder.spans)

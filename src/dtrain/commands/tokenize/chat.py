@@ -19,8 +19,11 @@ one longer than a block is one line naming its row. The held-out part is the las
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import numpy as np
@@ -33,6 +36,10 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 
 TEMPLATE_FILE = "chat_template.jinja"
+# Rendering one conversation takes milliseconds; a template that loops for longer (two nested
+# `range(100000)`, which the sandbox allows) is stopped after this long, naming its row.
+RENDER_TIMEOUT_S = 10.0
+MAX_RENDER_TIMEOUT_S = 24 * 3600.0
 COUNTED = "the assistant's replies, each with the end-of-turn token after it"
 BYTES_COUNTED = (
     "UTF-8 bytes of the assistant's replies (their messages' content), plus 1 for each "
@@ -72,14 +79,83 @@ def meta_of(folder: str, tokenizer: Any) -> dict[str, Any]:
     }
 
 
+class _TooSlow(BaseException):
+    """The render's time is up (a BaseException: a template's `except Exception` on the way,
+    if any, must not take it for the template's own error)."""
+
+
+def _too_slow(signum: int, frame: object) -> None:
+    raise _TooSlow
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _TooSlow in the code within once `seconds` have passed. Jinja renders in Python
+    on this thread: a timer signal (SIGALRM, delivered to the main thread) interrupts any loop
+    of a template, nested or not, whatever it iterates over; bounding `range` in the sandbox
+    would leave loops over other long sequences (a string, a joined list) unbounded. Outside
+    the main thread (no signal reaches it) there is no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGALRM, _too_slow)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 class Replies:
     """A conversation's token ids (those apply_chat_template gives), a uint8 mask of those that
-    count (the assistant's replies, as the module's docstring says), and the replies' bytes."""
+    count (the assistant's replies, as the module's docstring says), and the replies' bytes.
+    A conversation is refused before it is rendered when its text could not fit a `window`
+    of tokens; its rendering is stopped after `timeout` seconds."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, window: int, timeout: float) -> None:
+        self.tokenizer, self.window, self.timeout = tokenizer, window, timeout
         decoder = tokenizer.added_tokens_decoder
         self.special = {i for i, token in decoder.items() if token.special}
+        # No token stands for more characters of text than its own longest spelling in the
+        # vocabulary has (byte-level tokens spell one character per byte, which is at most one
+        # character of text): text longer than a window of those cannot fit it. (An unknown
+        # token of a tokenizer without byte fallback may stand for a longer run of characters
+        # it cannot spell; chat models' tokenizers fall back to bytes.) The check costs a sum
+        # of lengths, where rendering and tokenizing a 20 MB conversation took minutes and
+        # gigabytes before its length was known.
+        self.longest = max(map(len, tokenizer.get_vocab()), default=1)
+
+    def _check_length(self, conversation: Conversation) -> None:
+        characters = sum(len(m["content"]) for m in conversation.messages)
+        if characters > self.window * self.longest:
+            raise UserError(
+                f"input error: {conversation.where}: the conversation's text is {characters:,} "
+                f"characters, more than a window of --seq-len {self.window} tokens can hold "
+                f"(the tokenizer's tokens spell at most {self.longest} characters); raise "
+                f"--seq-len, or leave the conversation out"
+            )
+
+    def _texts(self, conversation: Conversation, replies: list[int]) -> list[str]:
+        """The whole conversation rendered, then for each reply, the conversation up to it
+        (with the generation prompt) and through it."""
+        messages = conversation.messages
+        try:
+            with _time_limit(self.timeout):
+                texts = [self._render(conversation, len(messages), False)]
+                for i in replies:
+                    # Before a first message there is nothing to render (the template needs
+                    # messages).
+                    texts += [self._render(conversation, i, True) if i else ""]
+                    texts += [self._render(conversation, i + 1, False)]
+        except _TooSlow:
+            raise UserError(
+                f"input error: {conversation.where}: the chat template took more than "
+                f"{self.timeout:g} s to render the conversation (a template that loops without "
+                f"end?); fix the template, leave the conversation out, or raise "
+                f"--render-timeout"
+            ) from None
+        return texts
 
     def _render(self, conversation: Conversation, upto: int, prompt: bool) -> str:
         try:
@@ -95,12 +171,10 @@ class Replies:
     def __call__(self, conversation: Conversation) -> tuple[list[int], np.ndarray, int]:
         messages = conversation.messages
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        texts = [self._render(conversation, len(messages), False)]
-        for i in replies:
-            # Before a first message there is nothing to render (the template needs messages).
-            texts += [self._render(conversation, i, True) if i else ""]
-            texts += [self._render(conversation, i + 1, False)]
-        whole, *parts = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        self._check_length(conversation)
+        whole, *parts = self.tokenizer(
+            self._texts(conversation, replies), add_special_tokens=False
+        )["input_ids"]
         mask = np.zeros(len(whole), dtype=np.uint8)
         nbytes = 0
         for k, i in enumerate(replies):
@@ -132,13 +206,25 @@ def write_splits(
     partial: dict[str, str],
     index_path: str,
     stream: TextIO,
+    render_timeout: float,
 ) -> dict[str, Split]:
     """train.bin, val.bin and their masks, under their .partial names, complete and synced, in
     the dtype, the block size and with the pad id that `meta` gives."""
-    replies = Replies(tokenizer)
+    replies = Replies(tokenizer, meta["packed"]["seq_len"], render_timeout)
 
     def feed(from_sources: list[Source], add: packed.Add, what: str) -> None:
-        _encode(from_sources, column, replies, add, Progress(stream, what, _size(from_sources)))
+        progress = Progress(stream, what, _size(from_sources))
+        rows, replied = _encode(from_sources, column, replies, add, progress)
+        if not replied:  # (said before a held-out cut finds too few windows to cut)
+            inputs, use = (
+                ("--val", "evaluate the loss on")
+                if from_sources is val_sources
+                else ("training", "learn")
+            )
+            raise UserError(
+                f"input error: no assistant reply in the {rows:,} conversation(s) of the "
+                f"{inputs} inputs: nothing to {use} (--chat counts the assistant's replies)"
+            )
 
     splits = packed.write_splits(
         meta, val_fraction, train_sources, val_sources, partial, index_path, feed, cut_long=False
@@ -163,19 +249,23 @@ def _encode(
     replies: Replies,
     add: Callable[[str, list[int], np.ndarray, int], None],
     progress: Progress,
-) -> None:
-    """Each source's conversations, rendered and handed to `add` in order."""
+) -> tuple[int, int]:
+    """Each source's conversations, rendered and handed to `add` in order; how many there
+    were, and how many of them hold an assistant reply."""
     found = {s.input: 0 for s in from_sources}
+    replied = 0
     for source in from_sources:
         for conversation in conversations(source, column):
             ids, mask, nbytes = replies(conversation)
             add(conversation.where, ids, mask, nbytes)
             found[source.input] += 1
+            replied += any(m["role"] == "assistant" for m in conversation.messages)
             progress.count(conversation.advance, conversation.nbytes, len(ids))
     for given, count in found.items():
         if not count:
             raise UserError(f"input error: '{given}' has no conversations")
     progress.finish()
+    return sum(found.values()), replied
 
 
 def _size(from_sources: list[Source]) -> int:

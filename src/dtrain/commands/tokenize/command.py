@@ -62,11 +62,14 @@ UINT16_VOCAB = 1 << 16
 BATCH_BYTES_PER_THREAD = 256 << 10
 
 
+def cores() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def threads(workers: int | None) -> int:
     """How many threads encode: --workers, else every core this process may use."""
-    if workers:
-        return workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return workers or cores()
 
 
 def use_workers(workers: int | None) -> None:
@@ -76,8 +79,6 @@ def use_workers(workers: int | None) -> None:
     come before the tokenizer's first use."""
     if workers is None:
         return
-    if workers < 1:
-        raise UserError(f"usage error: --workers must be at least 1, not {workers}")
     os.environ["RAYON_NUM_THREADS"] = str(workers)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if workers > 1 else "false"
 
@@ -129,16 +130,49 @@ def _eos_token(folder: str) -> str | None:
 MAX_VOCAB = 1 << 24
 
 
+# The longest window --seq-len packs documents in: a block is written whole (padding included),
+# and 2**24 tokens is far above any model's context; 2**40 died allocating its padding.
+MAX_SEQ_LEN = 1 << 24
+
+
+def check_numbers(
+    vocab_size: int | None,
+    seq_len: int | None,
+    workers: int | None,
+    render_timeout: float | None,
+    chat: bool,
+) -> None:
+    """The numeric flags within what can be meant, before any work: a thousand million
+    --workers spent minutes starting threads on 100 KB of text."""
+    if vocab_size is not None and not 257 <= vocab_size <= MAX_VOCAB:
+        raise UserError(
+            f"usage error: --vocab-size must be from 257 (the 256 bytes and the end-of-text "
+            f"token) to {MAX_VOCAB} (2**24), not {vocab_size}"
+        )
+    if seq_len is not None and not 1 <= seq_len <= MAX_SEQ_LEN:
+        raise UserError(
+            f"usage error: --seq-len must be from 1 to {MAX_SEQ_LEN} (2**24), not {seq_len}"
+        )
+    if workers is not None and not 1 <= workers <= cores():
+        raise UserError(
+            f"usage error: --workers must be from 1 to {cores()} (the cores this process may "
+            f"use), not {workers}"
+        )
+    if render_timeout is not None:
+        if not chat:
+            raise UserError("usage error: --render-timeout goes with --chat")
+        if not 0 < render_timeout <= chat_data.MAX_RENDER_TIMEOUT_S:
+            raise UserError(
+                f"usage error: --render-timeout must be above 0 and at most "
+                f"{chat_data.MAX_RENDER_TIMEOUT_S:g} seconds, not {render_timeout:g}"
+            )
+
+
 def train_tokenizer(texts: Iterator[str], vocab_size: int, eot: str) -> Any:
     """A byte-level BPE of `vocab_size` tokens (fewer when the text has too few pairs to merge)
     with `eot` as its one special token, trained on `texts` as they stream by. It adds no
     prefix space and decodes bytes back exactly, so decode(encode(text).ids) == text."""
     tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
-    if not 257 <= vocab_size <= MAX_VOCAB:
-        raise UserError(
-            f"usage error: --vocab-size must be from 257 (the 256 bytes and the end-of-text "
-            f"token) to {MAX_VOCAB} (2**24), not {vocab_size}"
-        )
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = byte_level(add_prefix_space=False)
@@ -201,12 +235,14 @@ def tokenize(
     chat: bool = False,
     pack: bool = False,
     seq_len: int | None = None,
+    render_timeout: float | None = None,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
     With `chat`, the inputs are conversations, rendered by the --tokenizer folder's chat
-    template, packed into windows of `seq_len` tokens and masked (commands/tokenize/chat.py);
-    with `pack`, plain documents are packed so (commands/tokenize/blocks.py).
+    template (each within `render_timeout` seconds), packed into windows of `seq_len` tokens
+    and masked (commands/tokenize/chat.py); with `pack`, plain documents are packed so
+    (commands/tokenize/blocks.py).
     Every mistake is a UserError, raised before anything is written or with everything
     written so far removed. Progress goes to `stream` (default: stderr)."""
     stream = stream or sys.stderr
@@ -224,8 +260,7 @@ def tokenize(
             "usage error: --seq-len goes with --chat or --pack (plain text is cut into windows "
             "when training, by data.tokens.seq_len)"
         )
-    if seq_len is not None and seq_len < 1:
-        raise UserError(f"usage error: --seq-len must be at least 1, not {seq_len}")
+    check_numbers(vocab_size, seq_len, workers, render_timeout, chat)
     column = column or ("messages" if chat else "text")
     if (vocab_size is None) == (tokenizer_path is None):
         raise UserError("usage error: give --vocab-size N (to train a tokenizer) or --tokenizer")
@@ -301,7 +336,7 @@ def tokenize(
         if templated is not None:
             splits = chat_data.write_splits(
                 templated, meta, val_fraction, train_sources, val_sources, column, partial,
-                index_path, stream,
+                index_path, stream, render_timeout or chat_data.RENDER_TIMEOUT_S,
             )  # fmt: skip
         else:
             splits = _write_splits(

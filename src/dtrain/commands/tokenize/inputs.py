@@ -285,6 +285,12 @@ def jsonl_fields(path: str, column: str, what: str) -> Iterator[tuple[str, Any, 
                 record = json.loads(line)
             except ValueError as e:
                 raise UserError(f"input error: {where}: not JSON ({e})") from None
+            except RecursionError:  # Python's parser recurses once per level of nesting
+                raise UserError(
+                    f"input error: {where}: JSON nested too deeply to read (arrays or objects "
+                    f"inside one another hundreds of levels deep); a row is an object of text "
+                    f"or of messages"
+                ) from None
             if not isinstance(record, dict) or column not in record:
                 raise UserError(
                     f"input error: {where}: no '{column}' field; name the {what} field "
