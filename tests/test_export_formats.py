@@ -316,7 +316,7 @@ def test_an_operator_the_exporter_cannot_convert_is_named_exit_1(user_runs, user
                                                                   tmp_path) -> None:
     out = tmp_path / "m.onnx"
     result = export("--run", str(user_runs["cummax"]), "--out", str(out), "--format", "onnx",
-                    env=user_models)
+                    "--trust-remote-code", env=user_models)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
@@ -330,7 +330,7 @@ def test_onnx_outputs_that_differ_exit_1_with_the_figure_and_no_file(user_runs, 
                                                                      tmp_path) -> None:
     out = tmp_path / "m.onnx"
     result = export("--run", str(user_runs["counting"]), "--out", str(out), "--format", "onnx",
-                    env=user_models)
+                    "--trust-remote-code", env=user_models)
     assert result.returncode == 1, result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
     found = re.fullmatch(r"dtrain: export error: onnxruntime's outputs differ from PyTorch's by "

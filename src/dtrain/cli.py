@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 
 from dtrain import config
+from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -108,7 +109,7 @@ def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
     export.main(args.run, args.checkpoint, args.out, args.format, args.weights, args.overrides,
-                args.max_shard_size)  # fmt: skip
+                args.max_shard_size, args.trust_remote_code)  # fmt: skip
     return 0
 
 
@@ -268,6 +269,8 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
             description=summary,
             epilog=STORE_PATHS if name in ("eval", "export", "verify", "runs", "convert") else None,
         )
+        if name in ("eval", "export", "tokenize"):  # they read code that others may have named
+            parser.add_argument(TRUST_SWITCH, action="store_true", help=TRUST_HELP)
         commands[name] = (parser, handler)
         return parser
 

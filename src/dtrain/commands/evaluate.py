@@ -44,7 +44,7 @@ from dtrain.checkpoint.state import (
     load_checked,
     shape_mismatch,
 )
-from dtrain.config import Config
+from dtrain.config import Config, registry
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
@@ -67,9 +67,14 @@ EVALS = names.EVALS
 # The config: the run's own, with --config and the overrides on top
 
 
-def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> Config:
+def eval_config(
+    run_dir: str, config_path: str | None, overrides: list[str], trusted: bool, shown: str
+) -> Config:
     """`DIR/config.yaml` (the resolved config the run trained with), the mapping of `config_path`
-    merged over it, then the `section.key=value` overrides; checked like any config."""
+    merged over it, then the `section.key=value` overrides; checked like any config. Code that
+    config.yaml names and this command would run (a `module:function`, a model folder's own) is
+    refused unless `trusted` (--trust-remote-code), before any of it is imported; `shown`: the
+    run directory in that line (its URL)."""
     saved = os.path.join(run_dir, names.CONFIG)
     if not os.path.isdir(run_dir):
         raise UserError(f"eval error: --run-dir {run_dir}: no such directory")
@@ -79,6 +84,7 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
             f"name the folder a training run wrote"
         )
     merged = config.read_yaml(saved)
+    saved_values = config.flatten(merged)  # (before anything is merged over it)
     if config_path:
         _merge(merged, config.read_yaml(config_path))
     for text in overrides:
@@ -88,6 +94,10 @@ def eval_config(run_dir: str, config_path: str | None, overrides: list[str]) -> 
     # (model.init_from, model.pretrained) are neither needed nor checked here, but for a LoRA
     # run's, which hold its frozen base (checked against the checkpoint's digest).
     cfg = config.from_dict(merged)
+    if not trusted:  # what the user's --config or overrides name is theirs to run
+        named = registry.code_named(cfg).items()
+        from_run = {k: v for k, v in named if saved_values.get(k) == v}
+        registry.refuse_code(from_run, f"--run-dir {shown}: its {names.CONFIG}")
     if lora.enabled(cfg.model):
         return cfg
     return dataclasses.replace(
@@ -390,7 +400,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         records = os.path.join(copies, "run")
         saved = os.path.join(records, names.CONFIG)
         remote_copies.fetch_file(run_dir, names.CONFIG, saved, {}, "eval")
-    cfg = eval_config(records, args.config, overrides)
+    cfg = eval_config(records, args.config, overrides, args.trust_remote_code, run_dir)
     options = dict(cfg.run.storage_options)
     env = env_mod.detect()
     cfg, layout = eval_layout(cfg, env)

@@ -68,4 +68,10 @@ class ModelConfig:
         doc="`tv:` models: torchvision's weights from the local torch hub cache; `timm:` "
         "models: timm's from the local Hugging Face cache (never downloaded at run time)",
     )
+    trust_remote_code: bool = option(
+        False,
+        doc="`hf:`/`hf-config:` folders whose config.json or tokenizer_config.json names code of "
+        "their own (`auto_map`): import and run that code; off, such a folder is refused. "
+        "See [What dtrain trusts](trust.md#code-named-by-a-folder-or-a-config)",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtrain.core.errors import UserError
-from dtrain.core.imports import is_import_path
+from dtrain.core.imports import TRUST_SWITCH, is_import_path
 
 if TYPE_CHECKING:
     from dtrain.config import Config
@@ -215,6 +215,37 @@ def check_names(cfg: Config) -> None:
         (SCHEDULES, cfg.sched.name),
     ):
         table.check(name)
+
+
+# The keys whose names a command that only reads a run builds: its model, data and task.
+BUILT_BY_READERS = ("model.name", "data.name", "task.name")
+
+
+def code_named(cfg: Config, keys: tuple[str, ...] = BUILT_BY_READERS) -> dict[str, Any]:
+    """The code, not dtrain's, that building `keys` of the config runs: each user's
+    'module:function' by its key, and `model.trust_remote_code` where it lets a model folder's
+    own code run."""
+    tables = {table.key: table for table in TABLES}
+    named: dict[str, Any] = {}
+    for key in keys:
+        section, _, field_name = key.partition(".")
+        name = getattr(getattr(cfg, section), field_name)
+        if tables[key].entry(name) is tables[key].user:
+            named[key] = name
+    if "model.name" in keys and cfg.model.trust_remote_code:
+        named["model.trust_remote_code"] = True
+    return named
+
+
+def refuse_code(named: dict[str, Any], source: str) -> None:
+    """One line when a config that the user did not give in this command (`source`: a run's
+    saved config.yaml, a checkpoint's) names code to run: it runs only with TRUST_SWITCH."""
+    if named:
+        shown = ", ".join(f"{key}: {value}" for key, value in named.items())
+        raise UserError(
+            f"config error: {source} names code to run ({shown}); code that a saved config "
+            f"names runs only with {TRUST_SWITCH}"
+        )
 
 
 def builtin_metrics(task_name: str) -> tuple[str, ...] | None:

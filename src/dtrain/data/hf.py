@@ -91,7 +91,11 @@ class Source:
                 if kind == "arrow":
                     parts += [lib.Dataset.from_file(f) for f in files]
                 else:
-                    parts.append(lib.load_dataset(kind, data_files=files, split="train"))
+                    parts.append(
+                        lib.load_dataset(
+                            kind, data_files=files, split="train", trust_remote_code=False
+                        )
+                    )
             return parts[0] if len(parts) == 1 else lib.concatenate_datasets(parts)
         except UserError:
             raise

@@ -5,7 +5,8 @@ PATH is a local folder with `config.json` (and, for `hf:`, safetensors weights: 
 shards with their index), or a model id found in the local Hugging Face cache: nothing is ever
 downloaded. The head is the config's `architectures` (a causal LM, a sequence or an image
 classifier; `model.num_classes` sets a classifier's labels); `model.args` overrides fields of the
-config. Weights load in float32 (the run's precision is applied to them as to any model).
+config. Weights load in float32 (the run's precision is applied to them as to any model). A
+folder that names code of its own (`auto_map`) is refused unless `model.trust_remote_code`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from dtrain.config import ModelConfig
 from dtrain.core.errors import UserError
-from dtrain.core.imports import require
+from dtrain.core.imports import refuse_folder_code, require
 
 PREFIXES = ("hf:", "hf-config:")
 CONFIG_FILE = "config.json"
@@ -55,12 +56,14 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
             model = cls(config)
         model.tie_weights()  # (which no_init_weights leaves to from_pretrained)
         return model
-    saved_labels = getattr(cls.config_class.from_pretrained(folder), "num_labels", None)
+    saved = cls.config_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    saved_labels = getattr(saved, "num_labels", None)
     return cls.from_pretrained(
         folder,
         config=config,
         dtype=torch.float32,
         local_files_only=True,
+        trust_remote_code=cfg.trust_remote_code,
         # A classifier for other classes than the folder's: its head starts afresh.
         ignore_mismatched_sizes=getattr(config, "num_labels", None) != saved_labels,
     )
@@ -177,8 +180,14 @@ def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tu
     model.num_classes applied and checked against the data."""
     transformers = library(f"model.name: {cfg.name}")
     transformers.logging.disable_progress_bar()  # a bar per load, drawn by every rank
+    if not cfg.trust_remote_code:  # (a bool: transformers never asks on stdin)
+        refuse_folder_code(
+            folder, f"config error: model.name: {cfg.name}", "model.trust_remote_code: true"
+        )
     try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+        )
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise UserError(
             f"config error: model.name: {cfg.name}: {folder}/{CONFIG_FILE} cannot be read "
@@ -200,6 +209,8 @@ def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tu
             f"e.g. [LlamaForCausalLM]"
         )
     cls = getattr(transformers, architectures[0], None)
+    if cls is None and cfg.trust_remote_code:
+        cls = _own_class(config, folder, architectures[0])
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UserError(
             f"config error: model.name: {cfg.name}: transformers "
@@ -227,6 +238,16 @@ def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tu
             f"(dtrain tokenize --tokenizer {folder})"
         )
     return cls, config
+
+
+def _own_class(config: Any, folder: str, name: str) -> Any:
+    """The folder's own model class `name` (model.trust_remote_code), where its config's
+    `auto_map` names it; None where it does not."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    refs = [r for r in auto_map.values() if isinstance(r, str) and r.endswith(f".{name}")]
+    return get_class_from_dynamic_module(refs[0], folder, local_files_only=True) if refs else None
 
 
 def check_weights(name: str, folder: str) -> None:

@@ -460,6 +460,8 @@ def _banner(
         f"{layout.batch_size} per rank x {world} rank(s) x {layout.grad_accum} "
         f"accumulation | {pieces.steps.per_epoch} steps per epoch"
     )
+    if cfg.model.trust_remote_code:
+        log.info("model.trust_remote_code on: the model folder's own code (auto_map) may run")
     for note in pieces.notes:
         log.info(note)
     log.info(f"run directory {run_dir} | {source}")

@@ -28,6 +28,7 @@ from dtrain import checkpoint, config, models, tasks
 from dtrain.checkpoint.load import trained_shapes
 from dtrain.checkpoint.state import load_checked, read_sharded, shape_mismatch
 from dtrain.commands.export.check import difference, report
+from dtrain.config import registry
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
@@ -73,8 +74,10 @@ def main(
     weights: str = "model",
     overrides: list[str] | tuple[str, ...] = (),
     shard_size: str | None = None,
+    trusted: bool = False,
 ) -> float:
-    """The command: the checkpoint at `path` (or the newest of the run `run`) exported to `out`.
+    """The command: the checkpoint at `path` (or the newest of the run `run`) exported to `out`;
+    code that the checkpoint's config names runs only when `trusted` (--trust-remote-code).
     Either may be in an object store: a checkpoint there is fetched to a temporary folder (each
     file checked by its digest as it is read), an export is made and checked here, then uploaded
     (the weights file last: an interrupted upload leaves no new weights beside an old config)."""
@@ -87,12 +90,14 @@ def main(
             folder = remote_copies.checkpoint_folder(source)
             local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "checkpoint"), {})
         if not is_url(out):
-            return export(local, out, fmt, weights, overrides, shown=source, shard_size=shard_size)
+            return export(
+                local, out, fmt, weights, overrides, source, shard_size=shard_size, trusted=trusted
+            )
         parent, name = out.rstrip("/").rsplit("/", 1)
         made = os.path.join(copies, "out")
         os.makedirs(made)
         found = export(local, os.path.join(made, name), fmt, weights, overrides, shown=source,
-                       where=(made, parent), shard_size=shard_size)  # fmt: skip
+                       where=(made, parent), shard_size=shard_size, trusted=trusted)  # fmt: skip
         objects = remote_copies.ObjectStore(parent, {})
         files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
         with objects.failing_as("write to"):
@@ -110,17 +115,25 @@ def names_below(folder: str) -> list[str]:
     ]
 
 
-def load_model(path: str, weights: str = "model", adapters: bool = False) -> tuple[nn.Module, dict]:
+def load_model(
+    path: str,
+    weights: str = "model",
+    adapters: bool = False,
+    untrusted: tuple[str, ...] = (),
+    shown: str | None = None,
+) -> tuple[nn.Module, dict]:
     """The model of the checkpoint at `path` (a checkpoint directory or its checkpoint.pt), in
     eval mode on the CPU, and the checkpoint's metadata; with `weights` "ema", holding the
     checkpoint's moving average of the weights. Every file read is checked against the marker's
     digests: a damaged checkpoint is refused (exit 2), not exported. A LoRA run's adapters go
     onto their base (checked by its digest), then are merged into it: the model and the config
-    in `meta` are the base's; with `adapters`, the model keeps them apart (peft's model)."""
+    in `meta` are the base's; with `adapters`, the model keeps them apart (peft's model). Code
+    that the checkpoint's config names for the keys `untrusted` is refused (`refuse_code`)."""
     folder, fmt = checkpoint.open_checkpoint(path)
     sharded = fmt == "sharded"
     meta_path = os.path.join(folder, checkpoint.META_FILE if sharded else checkpoint.FULL_FILE)
     meta = load_checked(path if os.path.isfile(path) else meta_path)
+    refuse_code(meta, shown or path, untrusted)
     cfg = config.from_dict(meta["config"])
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
     adapters_only = lora.enabled(cfg.model)
@@ -146,6 +159,22 @@ def load_model(path: str, weights: str = "model", adapters: bool = False) -> tup
         model = merged.merge_and_unload()
         meta = {**meta, "config": config.to_dict(lora.without(cfg))}
     return model.float().eval(), meta
+
+
+def untrusted_keys(fmt: str, trusted: bool) -> tuple[str, ...]:
+    """The config keys whose code an export of `fmt` runs, unless the user trusts it: the model,
+    the task (its example input) and, for the ONNX check's validation batch, the data."""
+    if trusted:
+        return ()
+    return registry.BUILT_BY_READERS if fmt == "onnx" else ("model.name", "task.name")
+
+
+def refuse_code(meta: dict, shown: str, keys: tuple[str, ...]) -> None:
+    """One line, before anything is imported, when the checkpoint's config (not the user's own
+    config of this command) names code that building `keys` runs."""
+    if keys:
+        named = registry.code_named(config.from_dict(meta["config"]), keys)
+        registry.refuse_code(named, f"the checkpoint {shown}: its config")
 
 
 @contextlib.contextmanager
@@ -199,15 +228,18 @@ def check_request(
         hf_folder.shard_bytes(shard_size)
 
 
-def _streamed(path: str, fmt: str, weights: str) -> tuple[Any, dict] | None:
+def _streamed(
+    path: str, fmt: str, weights: str, untrusted: tuple[str, ...], shown: str
+) -> tuple[Any, dict] | None:
     """(What to write, the metadata) of a sharded checkpoint that --format hf exports file by
-    file (hf_stream.py); None for every other export."""
+    file (hf_stream.py); None for every other export. `untrusted`: as `load_model`'s."""
     if fmt != "hf" or weights != "model":
         return None
     folder, kind = checkpoint.open_checkpoint(path)
     if kind != "sharded":
         return None
     meta = load_checked(os.path.join(folder, checkpoint.META_FILE))
+    refuse_code(meta, shown, untrusted)
     from dtrain.commands.export import hf_folder, hf_stream
 
     hf_folder.check_model(meta)
@@ -238,11 +270,13 @@ def export(
     shown: str | None = None,
     where: tuple[str, str] | None = None,
     shard_size: str | None = None,
+    trusted: bool = False,
 ) -> float:
     """Write the export, load it back, and return the largest difference found by the check.
     `overrides` (data.* keys) steer where the ONNX check reads its validation batch. `shown`:
     the checkpoint's name in messages (its URL); `where`: (this folder, the URL it stands for);
-    `shard_size`: --format hf's largest safetensors file (default hf_folder.SHARD_SIZE)."""
+    `shard_size`: --format hf's largest safetensors file (default hf_folder.SHARD_SIZE);
+    `trusted`: run the code that the checkpoint's config names (--trust-remote-code)."""
     check_request(fmt, weights, overrides, shard_size)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
@@ -258,9 +292,14 @@ def export(
         )
     if fmt not in ("safetensors", *FOLDERS) and os.path.isdir(out):
         raise UserError(f"export error: --out {out} is a directory; name the file to write")
-    streamed = _streamed(path, fmt, weights)  # --format hf file by file: no model in memory
-    model, meta = (None, streamed[1]) if streamed else load_model(path, weights, fmt == "peft")
     shown = shown or path
+    untrusted = untrusted_keys(fmt, trusted)
+    streamed = _streamed(path, fmt, weights, untrusted, shown)  # hf file by file: no model held
+    model, meta = (
+        (None, streamed[1])
+        if streamed
+        else load_model(path, weights, fmt == "peft", untrusted, shown)
+    )
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     # Written beside the final files under a hidden name, checked, then renamed into place: a
     # failure (a full disk, a failed check) leaves an earlier export at --out as it was.

@@ -65,7 +65,9 @@ def shard_bytes(size: str) -> int:
 
 def restore_use_cache(model: Any, source: str) -> None:
     """The key/value cache, off while training, as the source folder has it for use."""
-    saved_config = type(model.config).from_pretrained(source)
+    saved_config = type(model.config).from_pretrained(
+        source, local_files_only=True, trust_remote_code=False
+    )
     if hasattr(saved_config, "use_cache"):
         model.config.use_cache = saved_config.use_cache
 
@@ -97,7 +99,7 @@ def export(
     copied = copy_tokenizer(source, out)
     transformers = hf.library("dtrain export --format hf")
     reloaded = getattr(transformers, type(model).__name__).from_pretrained(
-        out, local_files_only=True
+        out, local_files_only=True, trust_remote_code=False
     )
     reloaded.eval()
     if example is None:  # the task makes no batch: the weights, by name

@@ -33,7 +33,7 @@ from dtrain.commands.tokenize.conversations import Conversation, conversations
 from dtrain.commands.tokenize.inputs import Source
 from dtrain.commands.tokenize.output import Progress, Split
 from dtrain.core.errors import UserError, first_line
-from dtrain.core.imports import require
+from dtrain.core.imports import TRUST_SWITCH, refuse_folder_code, require
 
 TEMPLATE_FILE = "chat_template.jinja"
 # Rendering one conversation takes milliseconds; a template that loops for longer (two nested
@@ -47,16 +47,21 @@ BYTES_COUNTED = (
 )
 
 
-def load_tokenizer(folder: str) -> Any:
-    """The model folder's tokenizer (transformers', offline), which must have a chat template."""
+def load_tokenizer(folder: str, trust_remote_code: bool = False) -> Any:
+    """The model folder's tokenizer (transformers', offline), which must have a chat template.
+    A folder that names tokenizer code of its own is refused unless `trust_remote_code`."""
     transformers = require("transformers", "transformers", "dtrain tokenize --chat")
     if not os.path.isdir(folder):
         raise UserError(
             f"usage error: --chat needs --tokenizer MODEL_DIR, a folder with the tokenizer and "
             f"its chat template, not the file {folder}"
         )
+    if not trust_remote_code:  # (a bool: transformers never asks on stdin)
+        refuse_folder_code(folder, "input error: --tokenizer", TRUST_SWITCH)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad folder
         raise UserError(
             f"input error: --tokenizer: cannot load the tokenizer in {folder} ({first_line(e)})"

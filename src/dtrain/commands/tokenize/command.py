@@ -237,12 +237,14 @@ def tokenize(
     seq_len: int | None = None,
     render_timeout: float | None = None,
     stream: TextIO | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
     With `chat`, the inputs are conversations, rendered by the --tokenizer folder's chat
     template (each within `render_timeout` seconds), packed into windows of `seq_len` tokens
     and masked (commands/tokenize/chat.py); with `pack`, plain documents are packed so
-    (commands/tokenize/blocks.py).
+    (commands/tokenize/blocks.py); a --chat folder's own tokenizer code runs only with
+    `trust_remote_code`.
     Every mistake is a UserError, raised before anything is written or with everything
     written so far removed. Progress goes to `stream` (default: stderr)."""
     stream = stream or sys.stderr
@@ -276,7 +278,7 @@ def tokenize(
     if tokenizer_path is not None:
         tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
         if chat:
-            templated = chat_data.load_tokenizer(tokenizer_path)
+            templated = chat_data.load_tokenizer(tokenizer_path, trust_remote_code)
             layout = chat_data.meta_of(tokenizer_path, templated)
         made_by = os.path.abspath(tokenizer_path)
         if os.path.isdir(tokenizer_path):

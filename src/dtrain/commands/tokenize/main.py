@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
                 pack=args.pack,
                 seq_len=args.seq_len,
                 render_timeout=args.render_timeout,
+                trust_remote_code=args.trust_remote_code,
             )
     except signals.Stopped as stop:
         print(
