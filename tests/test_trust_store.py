@@ -17,14 +17,14 @@ from dtrain.core.errors import OutsideName
 from dtrain.files.digests import seal
 from dtrain.files.keys import local_path
 
-RUN = ["train.max_steps=2", "ckpt.every_steps=2"]
+RUN = ["train.max_steps=2", "ckpt.every_steps=2", "ckpt.format=sharded"]
 VICTIM = b"the user's own file\n"
 PLANTED = b"written by whoever can write to the bucket\n"
 
 
 @pytest.fixture(scope="module")
 def trained(s3, tmp_path_factory):
-    """A run trained into the store (one checkpoint): (its bucket, its prefix in it)."""
+    """A run trained into the store (one sharded checkpoint): (its bucket, its prefix in it)."""
     fs, bucket = s3.fs(), s3.bucket()
     stage = tmp_path_factory.mktemp("stage")
     first = launch(stage / "x" / "r", [*RUN, f"run.out_dir=s3://{bucket}/trained",
@@ -50,7 +50,7 @@ def _checkpoint(fs, run_url: str) -> str:
 
 
 def _listing(marker: dict, name: str, data: bytes) -> dict:
-    """The marker, resealed, listing one more file `name` of content `data`: whoever can write
+    """The marker, resealed, listing the file `name` with the content `data`: whoever can write
     the files can write the marker (its seal finds accidents, not tampering)."""
     from dtrain.files.digests import new_hash
 
@@ -151,6 +151,27 @@ def _verify_local(fs, s3, case: Path, run_url: str):
     return ["dtrain", "verify", str(run)], [], line
 
 
+def _dcp_metadata(fs, s3, case: Path, run_url: str):
+    import pickle
+
+    run = case / "local" / "r"
+    fs.get(run_url.removeprefix("s3://"), str(run), recursive=True)
+    checkpoint = next(p for p in (run / "checkpoints").iterdir() if p.is_dir())
+    victim = run / "victim"  # DCP would read its bytes into the model's tensors
+    victim.write_bytes(VICTIM * 100_000)
+    file = checkpoint / "dcp" / ".metadata"
+    metadata = pickle.loads(file.read_bytes())  # a test's own file: plain pickle
+    for stored in metadata.storage_data.values():
+        stored.relative_path = "../../../victim"
+    file.write_bytes(pickle.dumps(metadata))
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    (checkpoint / "COMPLETE").write_text(json.dumps(
+        _listing(marker, "dcp/.metadata", file.read_bytes())))
+    line = (f"checkpoint error: {checkpoint}/dcp/.metadata lists a file outside its checkpoint: "
+            f"../../../victim (a '..' part)")
+    return ["dtrain", "eval", "--run-dir", str(run)], [], line
+
+
 READERS = {
     "verify s3://": _verify_store,
     "eval --run-dir s3://": _eval_store,
@@ -159,6 +180,7 @@ READERS = {
     "data.name=hf data.root=s3://": _hf_dataset,
     "token files in the store": _token_files,
     "verify of a local run": _verify_local,
+    "DCP metadata of a local checkpoint": _dcp_metadata,
 }
 
 

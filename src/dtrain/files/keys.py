@@ -35,7 +35,7 @@ def local_path(folder: str, name: str, origin: str) -> str:
         )
     raise OutsideName(
         f"checkpoint error: {origin} lists a file outside its checkpoint: {shown} ({problem}); "
-        f"nothing was read: the marker was not written by dtrain, name another checkpoint"
+        f"nothing was read: it was not written by dtrain, name another checkpoint"
     )
 
 
