@@ -198,6 +198,7 @@ def test_every_reader_refuses_a_name_outside_its_folder(s3, trained, tmp_path: P
         if victim.parent.is_dir():
             victim.write_bytes(VICTIM)
     before = {p: p.read_bytes() for p in case.rglob("*") if p.is_file()}
+    history = _history(fs, run_url)
     env = {**s3.env, "TMPDIR": str(case / "tmp")}
     job = [*RUN, "train.max_steps=4", f"run.staging_dir={case / 'stage'}"]
     if command[0] == "dtrain":
@@ -215,6 +216,13 @@ def test_every_reader_refuses_a_name_outside_its_folder(s3, trained, tmp_path: P
     written = {p for p in after if before.get(p) != after[p]}
     assert all(p.read_bytes() == VICTIM for p in victims if p.exists())
     assert not any(PLANTED == data for p, data in after.items() if p in written), written
+    assert _history(fs, run_url) == history  # nothing of the run set aside or replaced
+
+
+def _history(fs, run_url: str) -> dict[str, bytes]:
+    """The run's objects in the store (but its logs, where an attempt adds its lines)."""
+    keys = fs.find(run_url.removeprefix("s3://"))
+    return {k: fs.cat(k) for k in keys if not k.rsplit("/", 1)[-1].startswith("log")}
 
 
 @pytest.mark.parametrize(
