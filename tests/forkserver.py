@@ -361,6 +361,7 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the launch's TMPDIR, not the server's, as a fresh Python reads it
         if "module" in request:
             sys.argv = ["-m", *request["args"]]
             sys.path[0] = os.getcwd()

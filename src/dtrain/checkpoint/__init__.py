@@ -51,7 +51,7 @@ from dtrain.checkpoint.state import (
     load_file,
 )
 from dtrain.config import CkptConfig
-from dtrain.core.errors import UserError, first_line
+from dtrain.core.errors import OutsideName, UserError, first_line
 from dtrain.core.logs import log
 from dtrain.files.objstore import is_url
 from dtrain.files.store import (
@@ -414,7 +414,7 @@ class Checkpointer:
         problem = None
         try:
             self._load(path)
-        except ConfigChanged:  # on every rank alike
+        except (ConfigChanged, OutsideName):  # on every rank alike
             shutil.rmtree(self._fetched, ignore_errors=True)
             raise
         except UserError as e:

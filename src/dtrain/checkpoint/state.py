@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from dtrain.checkpoint import digest
-from dtrain.core.errors import UserError, first_line
+from dtrain.core.errors import OutsideName, UserError, first_line
 from dtrain.files.digests import HashingFile, check_file
+from dtrain.files.keys import local_path
 from dtrain.process import compat, dist
 
 FULL_FILE = "checkpoint.pt"
@@ -102,12 +103,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 def safe_reader(folder: str, expected: dict[str, str] | None = None) -> Any:
     """DCP's file-system reader of the checkpoint `folder`, reading `.metadata` through the
     allow-list; with `expected` digests, every file it reads is checked against them."""
+    shards = os.path.join(folder, DCP_DIR)
 
     def read_metadata(f: Any) -> Any:
         data = digest.checked_bytes(folder, f"{DCP_DIR}/.metadata", f.read(), expected)
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        # The files DCP opens, by the names the metadata gives: each must be in the folder.
+        for stored in (getattr(metadata, "storage_data", None) or {}).values():
+            local_path(shards, str(stored.relative_path), os.path.join(shards, ".metadata"))
+        return metadata
 
-    reader = compat.dcp_reader(os.path.join(folder, DCP_DIR), read_metadata)
+    reader = compat.dcp_reader(shards, read_metadata)
     return digest.verifying_reader(reader, folder, DCP_DIR, expected)
 
 
@@ -164,9 +170,10 @@ def _failures(error: BaseException) -> list[BaseException]:
     return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
-def _damaged_in(error: BaseException) -> digest.Damaged | None:
-    """The damaged file that DCP's failure on some rank reports (the same on every rank)."""
-    return next((f for f in _failures(error) if isinstance(f, digest.Damaged)), None)
+def _damaged_in(error: BaseException) -> UserError | None:
+    """The damaged file, or the file outside the folder, that DCP's failure on some rank reports
+    (the same on every rank)."""
+    return next((f for f in _failures(error) if isinstance(f, digest.Damaged | OutsideName)), None)
 
 
 def _dcp_reason(error: BaseException) -> str:
@@ -182,7 +189,7 @@ def dcp_model_shapes(folder: str, prefix: str = "model.") -> dict[str, tuple[int
     another `prefix` gives another part's tensors (`ema.`: the averaged weights)."""
     try:
         metadata = safe_reader(folder, digest.expected_digests(folder)).read_metadata()
-    except digest.Damaged:
+    except (digest.Damaged, OutsideName):
         raise
     except Exception as e:  # noqa: BLE001 - unreadable metadata: an unusable checkpoint
         raise UserError(

@@ -11,7 +11,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dtrain.core.errors import UserError
+from dtrain.core.errors import OutsideName, UserError
 from dtrain.files.digests import (
     ALGORITHM,
     CHECKPOINTS,
@@ -19,6 +19,7 @@ from dtrain.files.digests import (
     MARKER,
     digests_of,
     file_digest,
+    listed_path,
     marker_damaged,
     parse_marker,
     read_marker,
@@ -46,7 +47,7 @@ def _check(folder: str, marker: dict[str, Any], threads: int) -> tuple[str, str]
         return "damaged", f"the marker has no digest of {unlisted[0]}"
     names = sorted(files)
     with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        found = list(pool.map(lambda n: file_digest(os.path.join(folder, n)), names))
+        found = list(pool.map(lambda n: file_digest(listed_path(folder, n)), names))
     bad = [(n, digests[n], f) for n, f in zip(names, found, strict=True) if f != digests[n]]
     if bad:
         name, expected, actual = bad[0]
@@ -120,6 +121,8 @@ def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
         return "damaged", f"its {MARKER} marker is not what the save wrote: changed since"
     try:
         local = fetch_checkpoint(url, into, {})
+    except OutsideName:  # not a damaged checkpoint: a store to refuse
+        raise
     except UserError as e:
         return "damaged", str(e).removeprefix("checkpoint error: ")
     try:

@@ -7,6 +7,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class OutsideName(UserError):
+    """A name read from a store or a checkpoint's marker that would reach outside the folder it
+    belongs in (files/keys.py): input to refuse, never a damaged checkpoint to fall back from or
+    to set aside."""
+
+
 class TrainingStopped(Exception):
     """Training cannot go on (non-finite loss, too many skipped steps): exit 1 with this message."""
 

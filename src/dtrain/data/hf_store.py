@@ -15,6 +15,7 @@ from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.data import hf, node_copy
 from dtrain.data.loaders import Datasets
+from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore
 from dtrain.process import dist
 
@@ -53,6 +54,8 @@ def node_copy_of(url: str) -> str:
             f"parquet or JSON-lines files, copy them to a node-local folder and set data.root"
         )
     folder = node_copy.folder_for(url)
+    for name in listed:  # every key checked before the first is fetched
+        local_path(folder, name, objects.url)
     for name, (size, version) in sorted(listed.items()):
         node_copy.ensure(objects, name, size, version, folder)
     node_copy.remove_others(folder, set(listed))

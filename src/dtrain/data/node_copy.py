@@ -16,6 +16,7 @@ import tempfile
 
 from dtrain.core.errors import UserError
 from dtrain.files.digests import file_digest
+from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore
 
 RECORDS = ".dtrain"  # below a copy's folder: each file's lock and recorded version
@@ -32,9 +33,10 @@ def ensure(
 ) -> str:
     """The local copy of `name` (below `objects`) in `folder`, fetched unless the one there is
     of `version` with `size` bytes; with `digest` (what meta.json says the file holds), a
-    fetched copy must have it."""
-    local = os.path.join(folder, name)
-    record = os.path.join(folder, RECORDS, name)
+    fetched copy must have it. A name that would land outside `folder` (or its records outside
+    theirs) is refused before anything is written."""
+    local = local_path(folder, name, objects.url)
+    record = local_path(os.path.join(folder, RECORDS), name, objects.url)
     if not _current(local, record, size, version):
         os.makedirs(os.path.dirname(record), exist_ok=True)
         with open(record + ".lock", "w") as lock:

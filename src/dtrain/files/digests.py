@@ -23,6 +23,7 @@ import xxhash
 
 from dtrain.core.errors import UserError
 from dtrain.files import names
+from dtrain.files.keys import local_path
 
 ALGORITHM = "xxh3_128"
 MARKER = "COMPLETE"
@@ -201,15 +202,23 @@ def digests_of(marker: dict[str, Any] | None) -> dict[str, str] | None:
     return digests if isinstance(digests, dict) else None
 
 
+def listed_path(folder: str, name: str) -> str:
+    """The file `name` that the marker of the checkpoint `folder` lists (or holds a digest of),
+    as its path below `folder`; OutsideName when it is not below it."""
+    return local_path(folder, name, os.path.join(folder, MARKER))
+
+
 def verify_files(path: str, marker: dict[str, Any]) -> str | None:
-    """None when every file the marker lists is there with its size; else what is wrong."""
-    for name, size in marker.get("files", {}).items():
-        full = os.path.join(path, name)
+    """None when every file the marker lists is there with its size; else what is wrong.
+    OutsideName, before any file is looked at, when one is not in the checkpoint's folder."""
+    sizes = marker.get("files", {})
+    listed = {name: listed_path(path, name) for name in sizes}
+    for name, full in listed.items():
         if not os.path.isfile(full):
             return f"{name} is missing"
         actual = os.path.getsize(full)
-        if actual != size:
-            return f"{name} has {actual} bytes, expected {size}"
+        if actual != sizes[name]:
+            return f"{name} has {actual} bytes, expected {sizes[name]}"
     return None
 
 
@@ -226,6 +235,6 @@ def check_file(folder: str, name: str, expected: str | None) -> None:
     unverified file, not checked)."""
     if expected is None:
         return
-    found = file_digest(os.path.join(folder, name))
+    found = file_digest(listed_path(folder, name))
     if found != expected:
         raise Damaged(mismatch(folder, name, expected, found))

@@ -140,13 +140,6 @@ class ObjectStore:
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
         self.fs.get_file(self.path(rel), local, max_concurrency=1)
 
-    def get_tree(self, rel: str, local: str) -> dict[str, int]:
-        """Download every object below `rel` into the folder `local`; returns what it fetched."""
-        found = self.files(rel)
-        for name in found:
-            self.get(f"{rel}/{name}" if rel else name, os.path.join(local, name))
-        return found
-
     # -- writing -------------------------------------------------------------------------------
     def put(self, local: str, rel: str, create: bool = False) -> None:
         """Upload the file `local`; with `create`, only if there is no such object

@@ -27,6 +27,7 @@ from typing import Any
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.files.digests import ALGORITHM, MARKER, parse_marker, seal, verify_files
+from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore, StreamingUpload
 from dtrain.files.store import CHECKPOINTS, LATEST, RECORD_FILES, SUPERSEDED, Entry, Store
 
@@ -204,12 +205,12 @@ def fetch_checkpoint(
     if folder.endswith(".pt"):
         folder = folder.rsplit("/", 1)[0]
     objects = ObjectStore(folder, options)
+    parent, name = folder.rsplit("/", 1)
+    local = local_path(into, name, parent)  # a folder the store lists: a stranger's name
     os.makedirs(into, exist_ok=True)
     with objects.failing_as("read"), open(os.path.join(into, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _fetch_once(
-            objects, folder, url, os.path.join(into, os.path.basename(folder)), reads
-        )
+        return _fetch_once(objects, folder, url, local, reads)
 
 
 def _fetch_once(
@@ -230,12 +231,14 @@ def _fetch_once(
             f"checkpoint error: {folder}/{MARKER} is damaged or not a dtrain marker; name "
             f"another checkpoint"
         )
+    # Every name the marker lists is checked on every process, before anything is written.
+    paths = {rel: local_path(local, rel, folder) for rel in marker.get("files", {})}
     if _same_copy(local, data, marker):
         return local
     shutil.rmtree(local, ignore_errors=True)
     files = marker.get("files", {}) if reads(marker) else {}
     for rel in files:
-        objects.get(rel, os.path.join(local, rel))
+        objects.get(rel, paths[rel])
     os.makedirs(local, exist_ok=True)
     with open(os.path.join(local, MARKER), "wb") as f:
         f.write(data)

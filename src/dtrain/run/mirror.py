@@ -18,6 +18,7 @@ import threading
 from dtrain.core.errors import first_line
 from dtrain.core.logs import log
 from dtrain.files import names
+from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore
 
 # Checkpoints are uploaded by their save, never by the mirror; superseded/ is moved aside in the
@@ -59,11 +60,14 @@ class RecordMirror:
                 os.remove(path)
 
     def pull(self) -> None:
-        """The records the store holds, into the staging folder (replacing what is there)."""
-        for name, size in self.objects.files().items():
-            if not self._mine(name) or name.split("/", 1)[0] in _NOT_FETCHED:
-                continue
-            local = os.path.join(self.run_dir, name)
+        """The records the store holds, into the staging folder (replacing what is there); a
+        key that would land outside it is refused before anything is fetched."""
+        wanted = {
+            name: (local_path(self.run_dir, name, self.objects.url), size)
+            for name, size in self.objects.files().items()
+            if self._mine(name) and name.split("/", 1)[0] not in _NOT_FETCHED
+        }
+        for name, (local, size) in wanted.items():
             self.objects.get(name, local)
             self._uploaded[name] = (size, os.stat(local).st_mtime_ns)
 

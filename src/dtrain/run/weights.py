@@ -33,6 +33,7 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.core.urls import is_url
 from dtrain.files.digests import file_digest, new_hash
+from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.store import read_marker
@@ -298,7 +299,7 @@ def _fetched(url: str, into: str, options: dict[str, Any] | None) -> str:
     name = url.rstrip("/").rsplit("/", 1)[1]
     if "." in name and name != FULL_FILE:
         objects = ObjectStore(url.rstrip("/").rsplit("/", 1)[0], options)
-        local = os.path.join(into, name)
+        local = local_path(into, name, objects.url)
         with objects.failing_as("read"):
             try:
                 objects.get(name, local)
