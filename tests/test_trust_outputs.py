@@ -190,6 +190,25 @@ def test_an_export_never_replaces_what_is_there(trained, tmp_path, capsys, fmt, 
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("taken", ["model.safetensors", "model.config.yaml"])
+def test_an_export_into_a_store_never_replaces_an_object(trained, s3, capsys, monkeypatch,
+                                                         taken) -> None:
+    _, run_dir = trained
+    bucket = s3.bucket()
+    s3.fs().pipe(f"{bucket}/exports/{taken}", b"the user's own object")
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    out = f"s3://{bucket}/exports/model.safetensors"
+    code = cli.main(["export", "--run-dir", str(run_dir), "--out", out, "--format",
+                     "safetensors"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtrain: export error: --out s3://{bucket}/exports/{taken} already exists in the store; "
+        f"an export never replaces: name a new one"]
+    assert s3.fs().find(bucket) == [f"{bucket}/exports/{taken}"]
+    assert s3.fs().cat(f"{bucket}/exports/{taken}") == b"the user's own object"
+
+
 def test_the_safetensors_config_goes_under_a_name_made_from_the_file(trained, tmp_path,
                                                                      capsys) -> None:
     """Nothing is written beside the file but its own config: a config.yaml there (a run's,

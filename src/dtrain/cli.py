@@ -336,7 +336,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "--out",
         metavar="PATH",
         required=True,
-        help="the file (safetensors: or its folder; hf, peft: a new folder)",
+        help="a new file (safetensors: or folder; hf, peft: a new folder); never over anything",
     )
     p.add_argument(
         "--format",
