@@ -58,6 +58,8 @@ CREDENTIALS = {
         f"{OPTIONS}.endpoint_url: http://***@127.0.0.1:9: {IN_URL}{STORE_ENV}"),
     "out_dir": (f"run.out_dir=s3://me:{SECRET}@bucket/exp",
                 f"run.out_dir: s3://me:***@bucket/exp: {IN_URL}{STORE_ENV}"),
+    "a mistyped value": (f"{OPTIONS}=http://me:{SECRET}@127.0.0.1:9",
+                         f"{OPTIONS}: expected a mapping, got 'http://me:***@127.0.0.1:9'"),
     "mlflow": ([f"log.mlflow.tracking_uri=http://me:{SECRET}@127.0.0.1:5999",
                 "log.mlflow.enabled=true"],
                f"log.mlflow.tracking_uri: http://me:***@127.0.0.1:5999: {IN_URL}{MLFLOW_ENV}"),

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 
 from dtrain import config
+from dtrain.core.urls import redacted
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -421,7 +422,9 @@ def parse(argv: list[str]) -> tuple[Handler, argparse.Namespace]:
 
 def _print_error(message: str, exit_code: int, every_rank: bool = False) -> None:
     """One line on stderr. Under torchrun every rank meets the same config error, so only rank
-    0 prints it; a lost peer is seen differently by each rank, so each says what it saw."""
+    0 prints it; a lost peer is seen differently by each rank, so each says what it saw. A URL
+    in it shows no userinfo (a config value quoted by a type error, a library's message)."""
+    message = redacted(message)
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"dtrain: {message}", file=sys.stderr, flush=True)
