@@ -97,29 +97,29 @@ def trained(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """`dtrain export --run` of the trained run: the export test checks it, and the full-disk
-    test starts from a copy of it as the good export that a failed one must leave."""
+    test starts from a copy of it as a file that a failed export must leave."""
     out = tmp_path_factory.mktemp("exported") / "model.pt"
     return dtrain("export", "--out", str(out), "--run", str(trained)), out
 
 
-def test_an_export_that_cannot_be_written_leaves_the_earlier_one_and_says_why(
+def test_an_export_that_cannot_be_written_leaves_what_was_there_and_says_why(
         trained, exported, tmp_path, tmpfs) -> None:
-    """A full disk, a read-only place, a directory at --out: one line, exit 2, and the good
-    export that was at --out as it was (written beside it under a hidden name, then renamed)."""
+    """A full disk, a read-only place, a directory at --out: one line, exit 2, and the files
+    that were there as they were (written beside --out under a hidden name, then renamed)."""
     disk = tmpfs("size=512k", "small")
     out = disk / "model.pt"
     first, first_out = exported
     assert first.returncode == 0, first.stderr
-    shutil.copyfile(first_out, out)
-    good = out.read_bytes()
+    shutil.copyfile(first_out, disk / "earlier.pt")
+    good = (disk / "earlier.pt").read_bytes()
     fill_disk(disk)
     full = dtrain("export", "--out", str(out), "--run", str(trained))
     assert full.returncode == 2, full.stderr
     assert full.stderr.strip().splitlines() == [
         f"dtrain: export error: cannot write into {disk} (the disk is full); nothing there "
         f"was changed: free space or choose another --out"]
-    assert out.read_bytes() == good
-    assert sorted(p.name for p in disk.iterdir()) == ["filler", "model.pt"]
+    assert (disk / "earlier.pt").read_bytes() == good
+    assert sorted(p.name for p in disk.iterdir()) == ["earlier.pt", "filler"]
     read_only = tmpfs("ro,size=64k", "read_only")
     refused = dtrain("export", "--out", str(read_only / "model.pt"), "--run", str(trained))
     assert refused.returncode == 2
@@ -130,7 +130,8 @@ def test_an_export_that_cannot_be_written_leaves_the_earlier_one_and_says_why(
     folder.mkdir()
     onto = dtrain("export", "--out", str(folder), "--run", str(trained))
     assert onto.returncode == 2 and onto.stderr.strip().splitlines() == [
-        f"dtrain: export error: --out {folder} is a directory; name the file to write"]
+        f"dtrain: export error: --out {folder} already exists (a folder); --format state_dict "
+        f"writes a new file: name one that is not there"]
 
 
 def test_launch_takes_overrides_before_and_after_config(trained) -> None:

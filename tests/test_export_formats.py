@@ -251,12 +251,12 @@ def test_safetensors_round_trip_into_the_model_dtrain_builds(runs, tmp_path) -> 
         assert torch.equal(rebuilt.eval()(tokens), original(tokens))
 
 
-def test_safetensors_to_a_named_file_puts_the_config_beside_it(runs, tmp_path) -> None:
+def test_safetensors_to_a_named_file_puts_its_config_beside_it(runs, tmp_path) -> None:
     checkpoint = latest(runs("simple_cnn"))
     out = tmp_path / "w" / "cnn.safetensors"
     result = export("--checkpoint", str(checkpoint), "--out", str(out), "--format", "safetensors")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in out.parent.iterdir()) == ["cnn.safetensors", "config.yaml"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["cnn.config.yaml", "cnn.safetensors"]
     saved = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["model"]
     tensors = safetensors_torch.load_file(str(out))
     assert tensors.keys() == saved.keys()

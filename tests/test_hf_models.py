@@ -146,8 +146,8 @@ def test_tied_embeddings_stay_tied_export_to_hf_and_fresh_weights_follow_the_see
 
     again = dtrain("export", "--run-dir", str(tied.run_dir), "--format", "hf", "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().endswith(
-        f"--out {out} already exists; --format hf writes a new folder: name one that is not there "
-        f"(or empty)")
+        f"--out {out} already exists (a folder); --format hf writes a new folder: name one that "
+        f"is not there (or empty)")
 
     fresh = [*job, f"model.name=hf-config:{folders['gpt2']}"]
     first, again, other = (launch(tmp_path / name, [*fresh, f"run.seed={seed}"])

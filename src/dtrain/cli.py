@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from dtrain import config
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
+from dtrain.core.urls import redacted
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -332,7 +333,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "--out",
         metavar="PATH",
         required=True,
-        help="the file (safetensors: or its folder; hf, peft: a new folder)",
+        help="a new file (safetensors: or folder; hf, peft: a new folder); never over anything",
     )
     p.add_argument(
         "--format",
@@ -417,7 +418,9 @@ def parse(argv: list[str]) -> tuple[Handler, argparse.Namespace]:
 
 def _print_error(message: str, exit_code: int, every_rank: bool = False) -> None:
     """One line on stderr. Under torchrun every rank meets the same config error, so only rank
-    0 prints it; a lost peer is seen differently by each rank, so each says what it saw."""
+    0 prints it; a lost peer is seen differently by each rank, so each says what it saw. A URL
+    in it shows no userinfo (a config value quoted by a type error, a library's message)."""
+    message = redacted(message)
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"dtrain: {message}", file=sys.stderr, flush=True)

@@ -194,7 +194,7 @@ def _check_source_path(path: str) -> None:
 def _check_out(out: str, source: str) -> None:
     """--out must be a new path: a conversion never replaces anything."""
     if os.path.lexists(out):
-        what = "a checkpoint" if read_marker(out) is not None else _kind(out)
+        what = "a checkpoint" if read_marker(out) is not None else outputs.what_is_at(out)
         raise UserError(
             f"convert error: --out {out} already exists ({what}); convert never overwrites: "
             f"name a new folder"
@@ -209,12 +209,6 @@ def _check_out(out: str, source: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise UserError(f"convert error: --out {out}: {parent} is not a folder")
-
-
-def _kind(path: str) -> str:
-    if os.path.islink(path):
-        return "a link"
-    return "a folder" if os.path.isdir(path) else "a file"
 
 
 def _check_contents(path: str, data: dict[str, Any]) -> None:

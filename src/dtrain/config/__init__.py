@@ -247,6 +247,10 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.model.init_from:
         urls.check_location(cfg.model.init_from, "model.init_from")
     urls.check_options(cfg.run.storage_options)
+    if cfg.log.mlflow.tracking_uri:
+        urls.check_no_userinfo(
+            cfg.log.mlflow.tracking_uri, "log.mlflow.tracking_uri", urls.MLFLOW_CREDENTIALS
+        )
     if urls.is_url(cfg.data.root) and cfg.data.name not in STORE_DATA:
         urls.check_location(cfg.data.root, "data.root")
         raise UserError(

@@ -356,7 +356,8 @@ class MlflowConfig:
     tracking_uri: str | None = option(
         None,
         doc="default: `sqlite:///<run.out_dir>/mlflow.db`, a local file (no server); "
-        "`http://host:5000` for a tracking server",
+        "`http://host:5000` for a tracking server (its credentials in the environment: "
+        "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD; never in the URL)",
     )
     experiment: str | None = option(
         None, doc="default: the sweep's name for a trial of `dtrain sweep`, else `run.name`"

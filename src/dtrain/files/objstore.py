@@ -20,7 +20,13 @@ from typing import Any
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.core.logs import log
-from dtrain.core.urls import is_url, join, staging_dir
+from dtrain.core.urls import (
+    STORE_CREDENTIALS,
+    check_no_userinfo,
+    is_url,
+    join,
+    staging_dir,
+)
 
 __all__ = ["ObjectStore", "PreconditionFailed", "StreamingUpload", "is_url", "join", "staging_dir"]
 
@@ -39,6 +45,10 @@ class ObjectStore:
     """One prefix of a bucket: every name below is relative to it."""
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        # A URL's userinfo is no S3 credential, and messages show these URLs.
+        check_no_userinfo(url, "object store", STORE_CREDENTIALS, "storage error")
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        check_no_userinfo(endpoint, "AWS_ENDPOINT_URL", STORE_CREDENTIALS, "storage error")
         require("s3fs", "s3", f"an object-store location ({url})")
         import s3fs
 

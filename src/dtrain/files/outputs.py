@@ -55,6 +55,17 @@ def staged(folder: str, command: str) -> Iterator[str]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def what_is_at(path: str) -> str | None:
+    """What is at `path`, as messages name it ('a symbolic link to T', dangling or not; 'a
+    folder'; 'a file'), or None when nothing is there."""
+    if os.path.islink(path):
+        dangling = "" if os.path.exists(path) else ", which does not exist"
+        return f"a symbolic link to {os.readlink(path)}{dangling}"
+    if os.path.isdir(path):
+        return "a folder"
+    return "a file" if os.path.exists(path) else None
+
+
 def write_failure(command: str, where: str, error: BaseException) -> UserError | None:
     """A failed write as `output_error`'s line: an OSError, or what a library raised instead of
     the OSError beneath (torch.save a RuntimeError, tokenizers a bare Exception) while the disk

@@ -9,7 +9,8 @@ Formats: `state_dict` (plain tensors by parameter name), `torchscript` (torch.ji
 `exported` (torch.export), `onnx` (onnx_file: checked under onnxruntime on a validation batch)
 and `safetensors` (safetensors_file: the weights with the config beside them). After writing,
 the file is loaded back the way a user would and its outputs (or weights) are compared with the
-checkpoint's model; a file that fails the check is removed and the command exits 1.
+checkpoint's model; a file that fails the check is removed and the command exits 1. An export
+never replaces anything: --out, and every file written beside it, must be new (check_out).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dtrain.checkpoint.state import load_checked, read_sharded, shape_mismatch
 from dtrain.commands.export.check import difference, report
 from dtrain.config import registry
 from dtrain.core.errors import UserError
-from dtrain.core.urls import is_url
+from dtrain.core.urls import is_url, join
 from dtrain.files import names, outputs, remote_copies
 from dtrain.models import lora
 from dtrain.run.weights import prepare_base
@@ -82,6 +83,10 @@ def main(
     file checked by its digest as it is read), an export is made and checked here, then uploaded
     (the weights file last: an interrupted upload leaves no new weights beside an old config)."""
     check_request(fmt, weights, overrides)
+    if is_url(out):
+        parent, name = out.rstrip("/").rsplit("/", 1)
+        for rel in [name, *named_after(name, fmt)]:
+            remote_copies.check_new(join(parent, rel), {}, "export", "an export never replaces")
     with tempfile.TemporaryDirectory(prefix="dtrain-export-") as copies:
         source = path if path is not None else newest_checkpoint(str(run), copies)
         local = source
@@ -228,6 +233,43 @@ def check_request(
         hf_folder.shard_bytes(shard_size)
 
 
+def check_out(out: str, fmt: str) -> None:
+    """An export never replaces what it did not make: --out is new (a folder format may take an
+    empty folder) and no link, dangling or not; so is each file it writes beside --out."""
+    path = out.rstrip(os.sep) or out
+    if os.path.islink(path):
+        raise UserError(
+            f"export error: --out {out} is {outputs.what_is_at(path)}; an export is a new file "
+            f"or folder, never written through a link: name another --out"
+        )
+    folder = fmt in FOLDERS or (fmt == "safetensors" and not path.endswith(".safetensors"))
+    found = outputs.what_is_at(path)
+    if found and not (folder and found == "a folder" and not os.listdir(path)):
+        made = "folder" if folder else "file"
+        raise UserError(
+            f"export error: --out {out} already exists ({found}); --format {fmt} writes a new "
+            f"{made}: name one that is not there{' (or empty)' if folder else ''}"
+        )
+    for beside in named_after(path, fmt):
+        found = outputs.what_is_at(beside)
+        if found:
+            raise UserError(
+                f"export error: --out {out}: --format {fmt} writes {beside} beside it, and that "
+                f"already exists ({found}); name another --out"
+            )
+
+
+def named_after(out: str, fmt: str) -> list[str]:
+    """The files an export writes beside `out` under names made from it: safetensors' config
+    (`model.safetensors`: `model.config.yaml`), ONNX's external data (`model.onnx.data`, for a
+    model past 2 GB)."""
+    if fmt == "safetensors" and out.endswith(".safetensors"):
+        from dtrain.commands.export import safetensors_file
+
+        return [safetensors_file.paths(out)[1]]
+    return [out + ".data"] if fmt == "onnx" else []
+
+
 def _streamed(
     path: str, fmt: str, weights: str, untrusted: tuple[str, ...], shown: str
 ) -> tuple[Any, dict] | None:
@@ -285,13 +327,8 @@ def export(
             f"export error: --checkpoint {path} is a run directory; give it as --run-dir {path} "
             f"(its newest checkpoint) or name one of its checkpoints"
         )
-    if fmt in FOLDERS and (os.path.isfile(out) or os.path.isdir(out) and os.listdir(out)):
-        raise UserError(
-            f"export error: --out {out} already exists; --format {fmt} writes a new folder: "
-            f"name one that is not there (or empty)"
-        )
-    if fmt not in ("safetensors", *FOLDERS) and os.path.isdir(out):
-        raise UserError(f"export error: --out {out} is a directory; name the file to write")
+    check_out(out, fmt)
+    out = out.rstrip(os.sep) or out
     shown = shown or path
     untrusted = untrusted_keys(fmt, trusted)
     streamed = _streamed(path, fmt, weights, untrusted, shown)  # hf file by file: no model held
@@ -301,18 +338,12 @@ def export(
         else load_model(path, weights, fmt == "peft", untrusted, shown)
     )
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
-    # Written beside the final files under a hidden name, checked, then renamed into place: a
-    # failure (a full disk, a failed check) leaves an earlier export at --out as it was.
-    if fmt == "safetensors":
-        from dtrain.commands.export import safetensors_file as export_safetensors
-
-        final = export_safetensors.paths(out)[0]
-    else:
-        final = out
-    folder = os.path.dirname(final)
+    # Written beside --out under a hidden name, checked, then renamed into place: a failure (a
+    # full disk, a failed check) leaves nothing at --out.
+    folder = os.path.dirname(out)
     here, there = where or (folder, folder)
     with outputs.staged(folder, "export") as stage:
-        staging = os.path.join(stage, os.path.basename(final))
+        staging = os.path.join(stage, os.path.basename(out))
         try:
             if streamed:
                 from dtrain.commands.export import hf_folder, hf_stream

@@ -34,16 +34,23 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+GENERATION_CONFIG = "generation_config.json"
+# What an export copies from the source folder as it is.
+COPIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 
 
 def check_model(meta: dict) -> None:
-    """Only a Hugging Face model has a Hugging Face folder: one line for any other."""
+    """Only a Hugging Face model has a Hugging Face folder: one line for any other; and only its
+    folder's own files are copied (one line for a link out of it), before anything is written."""
     name = config.from_dict(meta["config"]).model.name
     if not name.startswith(hf.PREFIXES):
         raise UserError(
             f"export error: --format hf writes Hugging Face models (model.name: hf:PATH or "
             f"hf-config:PATH); this checkpoint's model is {name}: use --format safetensors"
         )
+    source = hf.resolve(name)
+    for file in COPIED_FILES:
+        own_file(source, file)
 
 
 def shard_bytes(size: str) -> int:
@@ -72,14 +79,51 @@ def restore_use_cache(model: Any, source: str) -> None:
         model.config.use_cache = saved_config.use_cache
 
 
+def own_file(source: str, name: str) -> str | None:
+    """The file `name` of the model folder `source` (where it is read from), or None when the
+    folder has no such regular file. A link to a file outside the folder is refused: an export
+    never copies from outside the folder the user named. A snapshot of the Hugging Face cache
+    (`models--ORG--NAME/snapshots/REV/`) links each file into the model's `blobs/`: that is
+    the model's own folder in the cache."""
+    path = os.path.join(source, name)
+    if not os.path.lexists(path):
+        return None
+    folder = os.path.realpath(source)
+    snapshots = os.path.dirname(folder)
+    if os.path.basename(snapshots) == "snapshots":
+        folder = os.path.dirname(snapshots)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, folder]) != folder:
+        raise UserError(
+            f"export error: {path} is a link to {real}, outside the model folder {source}; "
+            f"an export copies only the folder's own files: put the file itself there"
+        )
+    return real if os.path.isfile(real) else None
+
+
+def copy_from_folder(source: str, names: tuple[str, ...], out: str) -> list[str]:
+    """Those of `names` that the model folder `source` holds (own_file), copied into `out`;
+    returns their names. A copy is readable by no more than the original is (nor than the
+    umask allows)."""
+    copied = []
+    for name in names:
+        real = own_file(source, name)
+        if real is None:
+            continue
+        mode = os.stat(real).st_mode & 0o666
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with (
+            open(real, "rb") as src,
+            open(os.open(os.path.join(out, name), flags, mode), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
+        copied.append(name)
+    return copied
+
+
 def copy_tokenizer(source: str, out: str) -> list[str]:
     """The source folder's tokenizer files, copied into `out`; returns their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-            copied.append(name)
-    return copied
+    return copy_from_folder(source, TOKENIZER_FILES, out)
 
 
 def export(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +31,17 @@ from torch import nn
 from dtrain import config, models
 from dtrain.checkpoint.state import read_sharded_in_parts
 from dtrain.commands.export.check import report
-from dtrain.commands.export.hf_folder import copy_tokenizer, restore_use_cache
+from dtrain.commands.export.hf_folder import (
+    GENERATION_CONFIG,
+    copy_from_folder,
+    copy_tokenizer,
+    restore_use_cache,
+)
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
 from dtrain.models import hf, lora
 
 WEIGHTS_FILE, INDEX_FILE = hf.WEIGHTS_FILE, hf.WEIGHTS_INDEX
-GENERATION_CONFIG = "generation_config.json"
 
 
 def saved_names(model: nn.Module) -> list[str]:
@@ -129,10 +132,7 @@ def export(source: Source, meta: dict, what: str, out: str, limit: int) -> tuple
     origin = hf.resolve(cfg.model.name)
     restore_use_cache(model, origin)
     model.config.save_pretrained(out)
-    if os.path.isfile(os.path.join(origin, GENERATION_CONFIG)):
-        shutil.copyfile(
-            os.path.join(origin, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG)
-        )
+    copy_from_folder(origin, (GENERATION_CONFIG,), out)
     copied = copy_tokenizer(origin, out)
     what_files = f"{len(files)} safetensors file{'s' if len(files) > 1 else ''}"
     tokenizer = ", the tokenizer" if copied else ", no tokenizer files"

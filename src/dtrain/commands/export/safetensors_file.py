@@ -1,5 +1,6 @@
 """`dtrain export --format safetensors`: the weights as `model.safetensors`, with the resolved
-`config.yaml` beside it, for the Hugging Face world.
+`config.yaml` beside it in a folder (or `NAME.safetensors` with `NAME.config.yaml`), for the
+Hugging Face world.
 
 The file's metadata says what model the weights are for: `model_name`, `model_args` and
 `model_info` (what the data told the builder: classes, channels, vocabulary, ...) as JSON
@@ -31,13 +32,12 @@ CONFIG_FILE = names.CONFIG
 
 
 def paths(out: str) -> tuple[str, str]:
-    """The weights file and the config beside it: `out` itself when it names a .safetensors
-    file, else `out`/model.safetensors (a folder)."""
+    """The weights file and its config: when `out` names a .safetensors file, `out` itself and
+    the config under a name made from it (`model.safetensors`: `model.config.yaml`); else the
+    folder `out`'s model.safetensors and config.yaml. Nothing else is written."""
     if out.endswith(".safetensors"):
-        file = out
-    else:
-        file = os.path.join(out, WEIGHTS_FILE)
-    return file, os.path.join(os.path.dirname(os.path.abspath(file)), CONFIG_FILE)
+        return out, out.removesuffix(".safetensors") + ".config.yaml"
+    return os.path.join(out, WEIGHTS_FILE), os.path.join(out, CONFIG_FILE)
 
 
 def export(
@@ -78,7 +78,8 @@ def export(
             f"export error: the weights read back from {file} differ from the checkpoint's "
             f"by {found:.3g}; it was not written"
         )
-    return report(path, file, f"safetensors, {CONFIG_FILE} beside it", found, "weights")
+    config_name = os.path.basename(config_file)
+    return report(path, file, f"safetensors, {config_name} beside it", found, "weights")
 
 
 def untied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
