@@ -25,6 +25,7 @@ from torch import nn
 from dtrain.config import ModelConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
+from dtrain.files.digests import new_hash
 from dtrain.files.safetensors_header import BadSafetensors, Tensor, read_header
 
 PREFIXES = ("hf:", "hf-config:")
@@ -214,6 +215,17 @@ def resolve(name: str) -> str:
             f"that save_pretrained wrote"
         )
     return folder
+
+
+def config_digest(folder: str) -> str:
+    """The digest of the folder's config.json as content (its keys in order, no spacing), less
+    `transformers_version`, which says who saved the file and changes no computation."""
+    with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as f:
+        fields = json.load(f)
+    fields.pop("transformers_version", None)
+    digest = new_hash()
+    digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    return str(digest.hexdigest())
 
 
 def library(feature: str = "a Hugging Face model") -> Any:

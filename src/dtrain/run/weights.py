@@ -257,12 +257,20 @@ def base_identity(
     cfg: ModelConfig, seed: int, starting: StartingWeights | None
 ) -> dict[str, dict[str, str]]:
     """For a LoRA run, what its frozen base is (`lora_base`: where the weights come from, and
-    their digest), saved in its checkpoints and checked wherever they are read; else nothing.
-    Computed on rank 0 (reading the weights once) and given to every rank."""
+    their digest; for a Hugging Face folder's model also its config.json's digest, as a changed
+    activation or rotary base computes another model from the same weights), saved in its
+    checkpoints and checked wherever they are read; else nothing. Computed on rank 0 (reading
+    the weights once) and given to every rank."""
     if not lora.enabled(cfg):
         return {}
 
     def identity() -> dict[str, str]:
+        found = weights_identity()
+        if cfg.name.startswith(hf.PREFIXES):
+            found["config_digest"] = hf.config_digest(hf.resolve(cfg.name))
+        return found
+
+    def weights_identity() -> dict[str, str]:
         if starting is not None:
             return starting.identity()
         if cfg.name.startswith("hf:"):
