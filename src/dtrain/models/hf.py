@@ -89,8 +89,7 @@ def late_weights(cfg: ModelConfig, info: dict[str, Any]) -> WeightFiles | None:
         return None
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
-    check_weights(cfg.name, folder)
-    files = WeightFiles(folder, weight_files(cfg.name, folder))
+    files = WeightFiles(cfg.name, folder)
     for name, shape in _shapes_of(cls, config).items():  # (each tied tensor under one name)
         if files.shape(name) != shape:
             return None
@@ -145,17 +144,16 @@ class WeightFiles:
     """A folder's safetensors files, read tensor by tensor, or a tensor's rows alone (the file's
     pages of the other rows are never touched)."""
 
-    def __init__(self, folder: str, files: list[str]) -> None:
+    def __init__(self, name: str, folder: str) -> None:
+        """The files of `folder`, the folder of `model.name` `name`, each header checked before
+        safetensors opens the file."""
         from safetensors import safe_open
 
         self.folder = folder
-        self._open = [safe_open(os.path.join(folder, f), framework="pt") for f in files]
-        self._where = {key: handle for handle in self._open for key in handle.keys()}
-        self._tensors = {
-            key: tensor
-            for f in files
-            for key, tensor in read_header(os.path.join(folder, f)).items()
-        }
+        located = check_weights(name, folder)
+        opened = {path: safe_open(path, framework="pt") for path, _ in located.values()}
+        self._where = {key: opened[path] for key, (path, _) in located.items()}
+        self._tensors = {key: tensor for key, (_, tensor) in located.items()}
         self.total = sum(t.nbytes for t in self._tensors.values())  # bytes of every tensor
         self.read = 0  # bytes read so far
 
