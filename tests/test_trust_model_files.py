@@ -217,3 +217,16 @@ def test_a_lora_base_whose_config_changed_is_refused_as_a_changed_base(made) -> 
     assert resumed.returncode == 2 and "the base changed" in resumed.stderr.splitlines()[-1]
     (base / "config.json").write_text(original)
     assert dtrain("eval", "--run-dir", str(tuned.run_dir)).returncode == 0
+
+
+def test_a_checkpoint_saved_before_the_config_digest_is_checked_by_its_weights_alone() -> None:
+    """Checkpoints whose record of the base has no config.json digest load as they did: the
+    weights' digest decides."""
+    from dtrain.checkpoint.load import ConfigChanged, check_base
+    now = {"lora_base": {"weights": "base", "digest": "w1", "config_digest": "c1"}}
+    check_base({"lora_base": {"weights": "base", "digest": "w1"}}, now, "old")
+    with pytest.raises(ConfigChanged, match="now has digest w1: the base changed"):
+        check_base({"lora_base": {"weights": "base", "digest": "w0"}}, now, "old")
+    with pytest.raises(ConfigChanged, match="now has config.json digest c1: the base changed"):
+        check_base({"lora_base": {"weights": "base", "digest": "w1", "config_digest": "c0"}}, now,
+                   "new")
