@@ -89,13 +89,17 @@ def check_base(saved_info: dict[str, Any], info: dict[str, Any], folder: str) ->
             f"checkpoint error: {folder} holds {what}, and this run's model.lora says "
             f"otherwise; start anew with ckpt.resume=none or another run.name"
         )
-    if saved.get("digest") != now.get("digest"):
-        raise ConfigChanged(
-            f"checkpoint error: {folder}: its LoRA adapters were trained on the base "
-            f"{saved.get('weights')} (digest {saved.get('digest')}), and {now.get('weights')} now "
-            f"has digest {now.get('digest')}: the base changed; name the base the adapters were "
-            f"trained on (model.name, model.init_from)"
-        )
+    # A checkpoint saved before the base's config.json had a digest is checked by its weights.
+    fields = ("digest", "config_digest") if "config_digest" in saved else ("digest",)
+    for field in fields:
+        if saved.get(field) != now.get(field):
+            what = "config.json digest" if field == "config_digest" else "digest"
+            raise ConfigChanged(
+                f"checkpoint error: {folder}: its LoRA adapters were trained on the base "
+                f"{saved.get('weights')} ({what} {saved.get(field)}), and {now.get('weights')} "
+                f"now has {what} {now.get(field)}: the base changed; name the base the adapters "
+                f"were trained on (model.name, model.init_from)"
+            )
 
 
 def state_options(full: bool, adapters_only: bool = False, **options: Any) -> Any:

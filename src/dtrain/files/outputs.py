@@ -46,7 +46,10 @@ def staged(folder: str, command: str) -> Iterator[str]:
             for name in sorted(os.listdir(stage)):
                 os.replace(os.path.join(stage, name), os.path.join(folder, name))
             fsync_dir(folder)
-        except (OSError, RuntimeError) as e:
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a library's error for a failed write (safetensors'
+            # own type, torch's RuntimeError) is told from a bug by the disk's free space
             failed = write_failure(command, folder, e)
             if failed is None:
                 raise

@@ -17,7 +17,6 @@ import difflib
 import json
 import math
 import os
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +24,10 @@ import torch
 from torch import nn
 
 from dtrain.config import ModelConfig
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import refuse_folder_code, require
+from dtrain.files.digests import new_hash
+from dtrain.files.safetensors_header import BadSafetensors, Tensor, read_header
 
 PREFIXES = ("hf:", "hf-config:")
 CONFIG_FILE = "config.json"
@@ -46,9 +47,13 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
     caller reads them)."""
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
-    check_weights(cfg.name, folder)
+    tensors = check_weights(cfg.name, folder)
     if torch.get_default_device().type == "meta":  # dtrain plan: the shapes alone
         return cls(config)
+    saved = cls.config_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    saved_labels = getattr(saved, "num_labels", None)
+    fresh_head = getattr(config, "num_labels", None) != saved_labels
+    _check_shapes(cfg.name, folder, _shapes_of(cls, config), tensors, fresh_head)
     if _WEIGHTS_LATER.get():  # the caller reads every tensor: none is drawn first
         from transformers.initialization import no_init_weights
 
@@ -56,8 +61,6 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
             model = cls(config)
         model.tie_weights()  # (which no_init_weights leaves to from_pretrained)
         return model
-    saved = cls.config_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    saved_labels = getattr(saved, "num_labels", None)
     return cls.from_pretrained(
         folder,
         config=config,
@@ -65,7 +68,7 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
         local_files_only=True,
         trust_remote_code=cfg.trust_remote_code,
         # A classifier for other classes than the folder's: its head starts afresh.
-        ignore_mismatched_sizes=getattr(config, "num_labels", None) != saved_labels,
+        ignore_mismatched_sizes=fresh_head,
     )
 
 
@@ -89,36 +92,77 @@ def late_weights(cfg: ModelConfig, info: dict[str, Any]) -> WeightFiles | None:
         return None
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
-    check_weights(cfg.name, folder)
-    files = WeightFiles(folder, weight_files(cfg.name, folder))
-    with torch.device("meta"):
-        shapes = cls(config)
-    for name, param in shapes.named_parameters():  # (each tied tensor under one name)
-        if files.shape(name) != tuple(param.shape):
+    files = WeightFiles(cfg.name, folder)
+    for name, shape in _shapes_of(cls, config).items():  # (each tied tensor under one name)
+        if files.shape(name) != shape:
             return None
     return files
+
+
+def _shapes_of(cls: Any, config: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of the model `config` describes (built on the meta device:
+    no memory, whatever the sizes)."""
+    with torch.device("meta"):
+        model = cls(config)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _check_shapes(
+    name: str,
+    folder: str,
+    shapes: dict[str, tuple[int, ...]],
+    tensors: dict[str, tuple[str, Tensor]],
+    fresh_head: bool,
+) -> None:
+    """Each tensor of the folder's files that the model has under its name has the model's shape
+    (one from another model, or a config.json that does not describe these weights, is one line
+    naming both; a classifier's head for other classes (`fresh_head`) starts afresh)."""
+    for key, (path, tensor) in tensors.items():
+        ours = shapes.get(key)
+        if ours is None or ours == tensor.shape or fresh_head and ours[1:] == tensor.shape[1:]:
+            continue
+        raise UserError(
+            f"config error: model.name: {name}: {path}: tensor {key!r} has shape "
+            f"{list(tensor.shape)} in the file, and {list(ours)} in the model the folder's "
+            f"{CONFIG_FILE} describes{_sizes_named(folder, ours, tensor.shape)}: the weights and "
+            f"{CONFIG_FILE} are not of one model"
+        )
+
+
+def _sizes_named(folder: str, ours: tuple[int, ...], theirs: tuple[int, ...]) -> str:
+    """Which fields of the folder's config.json give the model's sizes that differ from the
+    weights' (`' (vocab_size 512)'`), or ''."""
+    with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as f:
+        fields = json.load(f)
+    differing = {size for i, size in enumerate(ours) if i >= len(theirs) or theirs[i] != size}
+    named = [
+        f"{key} {value}"
+        for key, value in fields.items()
+        if type(value) is int and value in differing  # (not a bool, which is an int too)
+    ]
+    return f" ({', '.join(named)})" if named else ""
 
 
 class WeightFiles:
     """A folder's safetensors files, read tensor by tensor, or a tensor's rows alone (the file's
     pages of the other rows are never touched)."""
 
-    def __init__(self, folder: str, files: list[str]) -> None:
+    def __init__(self, name: str, folder: str) -> None:
+        """The files of `folder`, the folder of `model.name` `name`, each header checked before
+        safetensors opens the file."""
         from safetensors import safe_open
 
         self.folder = folder
-        self._open = [safe_open(os.path.join(folder, f), framework="pt") for f in files]
-        self._where = {key: handle for handle in self._open for key in handle.keys()}
-        self.total = 0  # bytes of every tensor in the files
-        for handle in self._open:
-            for key in handle.keys():
-                part = handle.get_slice(key)
-                self.total += math.prod(part.get_shape()) * _ITEM_BYTES[part.get_dtype()]
+        located = check_weights(name, folder)
+        opened = {path: safe_open(path, framework="pt") for path, _ in located.values()}
+        self._where = {key: opened[path] for key, (path, _) in located.items()}
+        self._tensors = {key: tensor for key, (_, tensor) in located.items()}
+        self.total = sum(t.nbytes for t in self._tensors.values())  # bytes of every tensor
         self.read = 0  # bytes read so far
 
     def shape(self, key: str) -> tuple[int, ...] | None:
-        handle = self._where.get(key)
-        return None if handle is None else tuple(handle.get_slice(key).get_shape())
+        tensor = self._tensors.get(key)
+        return None if tensor is None else tensor.shape
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         part = self._where[key].get_slice(key)
@@ -132,15 +176,19 @@ class WeightFiles:
         return tensor
 
 
-_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-               "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
-
-
 def build_from_config(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
     """`hf-config:PATH`: the folder's architecture with fresh weights (seeded by run.seed)."""
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
-    return cls(config).to(torch.float32)
+    try:
+        return cls(config).to(torch.float32)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError, MemoryError) as e:
+        largest = max(_shapes_of(cls, config).values(), key=math.prod, default=())
+        raise UserError(
+            f"config error: model.name: {cfg.name}: the model {folder}/{CONFIG_FILE} describes "
+            f"(with model.args {cfg.args}) cannot be built: its largest tensor "
+            f"{list(largest)}{_sizes_named(folder, largest, ())}: {first_line(e)}"
+        ) from None
 
 
 def resolve(name: str) -> str:
@@ -170,6 +218,17 @@ def resolve(name: str) -> str:
     return folder
 
 
+def config_digest(folder: str) -> str:
+    """The digest of the folder's config.json as content (its keys in order, no spacing), less
+    `transformers_version`, which says who saved the file and changes no computation."""
+    with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as f:
+        fields = json.load(f)
+    fields.pop("transformers_version", None)
+    digest = new_hash()
+    digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    return str(digest.hexdigest())
+
+
 def library(feature: str = "a Hugging Face model") -> Any:
     """transformers, imported; one line naming the extra when it is not installed."""
     return require("transformers", "transformers", feature)
@@ -188,10 +247,12 @@ def _class_and_config(cfg: ModelConfig, info: dict[str, Any], folder: str) -> tu
         config = transformers.AutoConfig.from_pretrained(
             folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code
         )
-    except (ValueError, OSError, json.JSONDecodeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the folder's file makes transformers raise
+        # (a field of the wrong type is huggingface_hub's validation error, over several lines)
+        reason = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__
         raise UserError(
             f"config error: model.name: {cfg.name}: {folder}/{CONFIG_FILE} cannot be read "
-            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            f"({reason})"
         ) from None
     for key, value in cfg.args.items():
         if not hasattr(config, key):
@@ -250,14 +311,18 @@ def _own_class(config: Any, folder: str, name: str) -> Any:
     return get_class_from_dynamic_module(refs[0], folder, local_files_only=True) if refs else None
 
 
-def check_weights(name: str, folder: str) -> None:
-    """The folder's safetensors files are there and whole (each at least as long as its header
-    says): a truncated download is one line naming the file, before anything is loaded."""
+def check_weights(name: str, folder: str) -> dict[str, tuple[str, Tensor]]:
+    """The tensors of the folder's safetensors files (each with its file's path), each file's
+    header checked against the file (files/safetensors_header.py): a truncated download or a
+    crafted header is one line naming the file and the tensor, before anything is loaded."""
+    tensors: dict[str, tuple[str, Tensor]] = {}
     for file in weight_files(name, folder):
         path = os.path.join(folder, file)
-        problem = _safetensors_problem(path)
-        if problem:
-            raise UserError(f"config error: model.name: {name}: {path} {problem}")
+        try:
+            tensors.update((key, (path, t)) for key, t in read_header(path).items())
+        except BadSafetensors as e:
+            raise UserError(f"config error: model.name: {name}: {e}") from None
+    return tensors
 
 
 def weight_files(name: str, folder: str) -> list[str]:
@@ -267,10 +332,26 @@ def weight_files(name: str, folder: str) -> list[str]:
         try:
             with open(index, encoding="utf-8") as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
+            if not all(isinstance(file, str) for file in files):
+                raise TypeError("a file name that is not a string")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise UserError(
                 f"config error: model.name: {name}: {index} is not a safetensors index"
             ) from None
+        outside = [f for f in files if os.path.basename(f) != f or f.startswith(".")]
+        if outside:  # the index is the folder's: it names its own files, nothing elsewhere
+            raise UserError(
+                f"config error: model.name: {name}: {index} lists {outside[0]!r}, which is not "
+                f"a file of the folder"
+            )
+        pickled = [file for file in files if not file.endswith(".safetensors")]
+        if pickled:
+            raise UserError(
+                f"config error: model.name: {name}: {index} lists {pickled[0]}, not a "
+                f"safetensors file: dtrain does not load pickled weights (loading them can run "
+                f"code); convert the model to safetensors (save_pretrained writes them) where "
+                f"you trust it"
+            )
     elif os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
         files = [WEIGHTS_FILE]
     else:
@@ -280,24 +361,3 @@ def weight_files(name: str, folder: str) -> list[str]:
             f"hf-config:{name.split(':', 1)[1]} to start from fresh weights"
         )
     return files
-
-
-def _safetensors_problem(path: str) -> str:
-    """Why the safetensors file at `path` cannot be whole, or ''. Its first 8 bytes give the
-    header's length; the header gives each tensor's byte range in the data after it."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
-                return "is truncated (its header runs past the end): download it again"
-            header = json.loads(f.read(length))
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except FileNotFoundError:
-        return "is missing (the index lists it): download the model again"
-    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return "is not a safetensors file (damaged, or not written by save_pretrained)"
-    needed = 8 + length + max(ends, default=0)
-    if size < needed:
-        return f"is truncated ({size:,} bytes of {needed:,}): download it again"
-    return ""

@@ -36,6 +36,7 @@ from dtrain.files.digests import file_digest, new_hash
 from dtrain.files.keys import local_path
 from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import fetch_checkpoint
+from dtrain.files.safetensors_header import BadSafetensors, read_header
 from dtrain.files.store import read_marker
 from dtrain.models import hf, lora
 from dtrain.process import dist
@@ -92,11 +93,18 @@ def _timm_weights(model_name: str) -> str:
     )
 
 
-def _state_dict_of(path: str) -> dict[str, torch.Tensor]:
+def _state_dict_of(path: str, shown: str) -> dict[str, torch.Tensor]:
     """The model weights in a file: a dtrain full checkpoint's `model` (checked against its
-    marker's digest), a plain state_dict, or a safetensors file."""
+    marker's digest), a plain state_dict, or a safetensors file (its header checked against
+    the file first). `shown`: the weights' place for messages."""
     if path.endswith(".safetensors"):
         safetensors = require("safetensors.torch", "export", "model.init_from (.safetensors)")
+        try:
+            read_header(path)
+        except BadSafetensors as e:
+            raise UserError(
+                f"config error: model.init_from: {str(e).replace(path, shown)}"
+            ) from None
         return dict(safetensors.load_file(path))
     data = load_checked(path, mmap=True)
     if isinstance(data, dict) and isinstance(data.get("model"), dict) and "train_state" in data:
@@ -168,7 +176,9 @@ class StartingWeights:
             }
         else:  # memory-mapped: read as the broadcast goes
             self.weights = {
-                k: v for k, v in _state_dict_of(self.path).items() if not self._excluded(k)
+                k: v
+                for k, v in _state_dict_of(self.path, self.shown).items()
+                if not self._excluded(k)
             }
             theirs = {k: tuple(v.shape) for k, v in self.weights.items()}
         problem = shape_mismatch(shapes, theirs, strict=self.cfg.init_strict)
@@ -248,12 +258,20 @@ def base_identity(
     cfg: ModelConfig, seed: int, starting: StartingWeights | None
 ) -> dict[str, dict[str, str]]:
     """For a LoRA run, what its frozen base is (`lora_base`: where the weights come from, and
-    their digest), saved in its checkpoints and checked wherever they are read; else nothing.
-    Computed on rank 0 (reading the weights once) and given to every rank."""
+    their digest; for a Hugging Face folder's model also its config.json's digest, as a changed
+    activation or rotary base computes another model from the same weights), saved in its
+    checkpoints and checked wherever they are read; else nothing. Computed on rank 0 (reading
+    the weights once) and given to every rank."""
     if not lora.enabled(cfg):
         return {}
 
     def identity() -> dict[str, str]:
+        found = weights_identity()
+        if cfg.name.startswith(hf.PREFIXES):
+            found["config_digest"] = hf.config_digest(hf.resolve(cfg.name))
+        return found
+
+    def weights_identity() -> dict[str, str]:
         if starting is not None:
             return starting.identity()
         if cfg.name.startswith("hf:"):

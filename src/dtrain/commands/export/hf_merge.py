@@ -78,7 +78,7 @@ def merged(
     held = trained_shapes(adapted, adapters_only=True)
     trained = {lora.base_name(k) for k in held}
     source = hf.resolve(cfg.model.name)
-    files = hf.WeightFiles(source, hf.weight_files(cfg.model.name, source))
+    files = hf.WeightFiles(cfg.model.name, source)
     named = base.state_dict(keep_vars=True)
     if any(n not in trained and files.shape(n) != tuple(named[n].shape) for n in written):
         return None
