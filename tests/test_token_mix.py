@@ -120,6 +120,20 @@ def test_the_order_is_a_pure_function_of_seed_epoch_and_position(sources) -> Non
     assert MixedWindows(train.sources, WEIGHTS, 8).locate(keys)[1].tolist() != windows.tolist()
 
 
+@pytest.mark.parametrize("weights, quotas", [(("7e-1", "3e-1"), [7000, 3000]),
+                                             (("1.0e+308", "1.0e+308"), [5000, 5000])])
+def test_weights_written_as_exponents_or_too_large_to_add_up_mix_by_their_ratio(
+        sources, weights, quotas) -> None:
+    """`7e-1` (text to YAML 1.1) is 0.7 as for any other number; two weights of 1e308, whose
+    total overflows, are half and half."""
+    a, b = sources
+    mix = (f"data.tokens.mix=[{{root: {a}, weight: {weights[0]}}}, "
+           f"{{root: {b}, weight: {weights[1]}}}]")
+    train = build(config.load(None, [*LM, mix, f"data.tokens.seq_len={SEQ}"]).data, 0).train
+    assert isinstance(train, MixedWindows)
+    assert train.interleave.quotas.tolist() == quotas
+
+
 def test_plan_counts_the_windows_of_every_source(sources) -> None:
     estimate = plan.estimate(config.load(None, [*LM, mix_of(sources)]), nproc=2)
     assert (estimate.train_size, estimate.val_size) == (93 + 46, (1100 - 1) // SEQ + 21)
@@ -251,7 +265,7 @@ def test_validation_loss_per_source_equals_each_source_evaluated_alone(runs, sou
         assert final[f"val_share_{name}"] == pytest.approx(val_windows[name] / total, rel=1e-12)
         evals = straight.run_dir / "evals"
         before = set(evals.glob("*.json"))
-        command = [sys.executable, "-m", "dtrain", "eval", "--run", str(straight.run_dir),
+        command = [sys.executable, "-m", "dtrain", "eval", "--run", str(straight.run_dir), "--trust-remote-code",
                    "data.tokens.mix=null", f"data.root={root}"]
         proc = forkserver.run(command, cwd=REPO, env=child_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -302,12 +316,13 @@ def bad_cases(sources: tuple[Path, Path], root: Path) -> dict[str, tuple[list[st
         "no weight": ([f"data.tokens.mix=[{{root: {a}}}]"],
                       "config error: data.tokens.mix[0].weight: missing"),
         "negative": ([mix_of(sources, f"{{root: {b}, weight: -1, name: c2}}")],
-                     "config error: data.tokens.mix[2].weight: must be a number > 0"),
+                     "config error: data.tokens.mix[2].weight: must be a finite number > 0"),
         "tiny": ([mix_of(sources, f"{{root: {b}, weight: 0.00001, name: c2}}")],
                  "config error: data.tokens.mix[2].weight: 1e-05 is less than 1/10000"),
         "same name": ([mix_of(sources, f"{{root: {b}, weight: 1}}")],
                       "config error: data.tokens.mix[2].name: 'code' names "
-                      "data.tokens.mix[1] too"),
+                      "data.tokens.mix[1] too; give each source its own name: {root: FOLDER, "
+                      "weight: NUMBER, name: NAME}"),
         "unknown key": ([f"data.tokens.mix=[{{root: {a}, wieght: 1}}]"],
                         "config error: unknown key 'data.tokens.mix[0].wieght' (did you mean "
                         "'weight'?)"),

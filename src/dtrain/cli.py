@@ -4,7 +4,7 @@ tokenize.
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
 (one clear line, no traceback) and usage errors, 1 any other failure (for `verify`: a damaged
-checkpoint).
+checkpoint), 130 a second Ctrl-C in training, 141 a reader of the output that has gone.
 """
 
 from __future__ import annotations
@@ -483,6 +483,8 @@ def entry(argv: list[str] | None = None) -> None:
         code = main(argv)
     except SystemExit as stop:  # a command that calls sys.exit
         code = _exit_code(stop)
+    except BrokenPipeError:  # `dtrain plan | head`: the reader has gone; end quietly, as Unix
+        code = 128 + signal.SIGPIPE  # tools do (a shell reports their SIGPIPE so)
     except BaseException:  # noqa: BLE001 - a bug: show it as Python would, then exit 1
         traceback.print_exc()
         code = 1

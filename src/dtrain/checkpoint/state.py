@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,21 +56,30 @@ def shape_mismatch(
 # Reading files
 
 
-def load_file(path: str, mmap: bool = False) -> dict[str, Any]:
-    """torch.load with weights_only=True and errors a user can act on. With `mmap`, tensors are
-    read from the file as they are used instead of all at once."""
+# What torch's weights-only unpickler names when it refuses a file: the global it would import.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_file(path: str, mmap: bool = False, shown: str | None = None) -> dict[str, Any]:
+    """torch.load with weights_only=True and errors a user can act on, naming the file as
+    `shown` (a store's URL, for a local copy of its file) or else `path`. With `mmap`, tensors
+    are read from the file as they are used instead of all at once."""
+    shown = shown or path
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise UserError(f"checkpoint error: {path} not found") from None
+        raise UserError(f"checkpoint error: {shown} not found") from None
     except Exception as e:  # noqa: BLE001 - any failure here means "not a usable checkpoint"
         if "weights_only" in str(e) or "Unsupported global" in str(e):
+            # torch's own text goes on to suggest weights_only=False: only its reason is kept.
+            named = _REFUSED_GLOBAL.search(str(e))
+            reason = f"it names {named.group(1)}" if named else "not plain tensors and data"
             raise UserError(
-                f"checkpoint error: {path} holds objects that need arbitrary "
-                f"unpickling; refused (weights_only=True): {first_line(e)}"
+                f"checkpoint error: {shown} holds objects that only arbitrary unpickling can "
+                f"load ({reason}); refused: dtrain loads weights only, never code"
             ) from None
         raise UserError(
-            f"checkpoint error: {path} is corrupt or not a checkpoint: {first_line(e)}"
+            f"checkpoint error: {shown} is corrupt or not a checkpoint: {first_line(e)}"
         ) from None
 
 
@@ -235,12 +245,14 @@ def torch_save(obj: Any, path: str, upload: Any = None) -> str:
     return hashing.hexdigest()
 
 
-def load_checked(path: str, mmap: bool = False) -> dict[str, Any]:
+def load_checked(path: str, mmap: bool = False, shown: str | None = None) -> dict[str, Any]:
     """`load_file`, with the file's digest checked against its folder's marker (computed while
     torch reads it) when the folder is a checkpoint that has digests."""
     folder, name = os.path.split(path)
     expected = digest.expected_digests(folder or ".")
-    return digest.checked(folder or ".", [name], expected, lambda: load_file(path, mmap=mmap))
+    return digest.checked(
+        folder or ".", [name], expected, lambda: load_file(path, mmap=mmap, shown=shown)
+    )
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -151,6 +151,11 @@ class Chosen:
     def shown(self) -> str:
         return self.url or self.folder
 
+    def file_shown(self, name: str) -> str | None:
+        """How messages name the checkpoint's file `name`: by its URL for a store's (a local
+        copy's path is gone when the message is read); None: by its path."""
+        return f"{self.url}/{name}" if self.url else None
+
 
 def choose(run_dir: str, which: str, cfg: Config, listing_dir: str = "") -> Chosen:
     """`latest` (the last complete checkpoint saved, as resuming counts it), `best` (by
@@ -242,11 +247,12 @@ def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
 
         def read() -> dict[str, Any]:
             assert chosen.file is not None
-            saved = load_checked(chosen.file, mmap=True)
+            saved = load_checked(chosen.file, mmap=True, shown=chosen.file_shown(FULL_FILE))
             weights = saved.get("model")
             if not isinstance(weights, dict):
                 raise UserError(
-                    f"eval error: {chosen.file} holds no model weights (not a dtrain checkpoint)"
+                    f"eval error: {chosen.file_shown(FULL_FILE) or chosen.file} holds no model "
+                    f"weights (not a dtrain checkpoint)"
                 )
             refuse_other_model({k: tuple(v.shape) for k, v in weights.items()})
             held["model"] = weights
@@ -258,7 +264,10 @@ def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
 
     def read_sharded() -> dict[str, Any]:
         refuse_other_model(dcp_model_shapes(chosen.folder))
-        return dict(load_checked(os.path.join(chosen.folder, META_FILE)).get("model_info") or {})
+        meta = load_checked(
+            os.path.join(chosen.folder, META_FILE), shown=chosen.file_shown(META_FILE)
+        )
+        return dict(meta.get("model_info") or {})
 
     prepare_base(model, cfg, dist.on_main(read_sharded), chosen.shown)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from types import UnionType
@@ -25,7 +26,10 @@ from dtrain.config.data import (
     check_mix,
     mix_names,
 )
+from dtrain.config.fields import number
 from dtrain.config.model import LoraConfig, ModelConfig
+from dtrain.config.plain_yaml import DuplicateKey
+from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.config.schema import (
     DEFAULT_RUN_NAME,
     CkptConfig,
@@ -152,6 +156,8 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
                 return _coerce(value, arg, dotted)
             except UserError as e:
                 errors.append(e)
+        if len(errors) == 1:  # one type besides None: its own words (e.g. "must be finite")
+            raise errors[0]
         names = " or ".join(_type_name(a) for a in args if a is not type(None))
         raise UserError(f"config error: {dotted}: expected {names}, got {value!r}")
     if tp is bool:
@@ -161,13 +167,13 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        parsed = number(value)  # also "1e-3", which YAML 1.1 reads as a string
+        if parsed is not None and not math.isfinite(parsed):
+            # No key means "forever" or "without limit" by inf: a run would end in NaN at its
+            # first step or in an overflow deep inside (a timeout, a clock); null says "none".
+            raise UserError(f"config error: {dotted}: must be a finite number, got {value!r}")
+        if parsed is not None:
+            return parsed
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -207,7 +213,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if _is_section(tp):
             kwargs[fields[key].name] = _build(tp, value if value is not None else {}, dotted + ".")
         else:
-            kwargs[fields[key].name] = _coerce(value, tp, dotted)
+            value = _coerce(value, tp, dotted)
+            parse = fields[key].metadata.get("parse")  # numbers inside a list or mapping
+            kwargs[fields[key].name] = parse(value) if parse and value is not None else value
     obj = cls(**kwargs)
     _validate(obj, prefix)
     return obj
@@ -345,10 +353,12 @@ def read_yaml(path: str) -> dict:
         raise UserError(f"config error: config file '{path}' not found")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        if isinstance(e, DuplicateKey):
+            raise UserError(f"config error: {path}: {e}; give each key once") from None
         if isinstance(e, yaml.constructor.ConstructorError):
             raise UserError(
                 f"config error: {where}: {e.problem} (only plain YAML is allowed)"
@@ -372,7 +382,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise UserError(f"config error: override '{text}' has no key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        inner = f"{key}.{e.key}".replace(".[", "[")  # model.args.a, data.tokens.mix[0].weight
+        raise UserError(
+            f"config error: override '{text}': duplicate key '{inner}'; give each key once"
+        ) from None
     except yaml.YAMLError:
         value = raw
     return key, value

@@ -5,10 +5,10 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from dtrain.config.fields import AT_LEAST_ONE, NON_NEGATIVE, option
+from dtrain.config.fields import AT_LEAST_ONE, NON_NEGATIVE, number, option, read_number
 from dtrain.core import urls
 from dtrain.core.errors import UserError
 
@@ -56,6 +56,16 @@ class TextConfig:
     )
 
 
+def _weights_read(mix: list) -> list:
+    """A mix's entries with their weights read as numbers (`7e-1`, as other numbers are)."""
+    return [
+        {**entry, "weight": read_number(entry["weight"])}
+        if isinstance(entry, dict) and "weight" in entry
+        else entry
+        for entry in mix
+    ]
+
+
 @dataclass(frozen=True)
 class TokensConfig:
     """Token files (`data.name: tokens`): `train.bin` and `val.bin` (or `train_*.bin` and
@@ -91,6 +101,7 @@ class TokensConfig:
     )
     mix: list | None = option(
         None,
+        parse=_weights_read,
         doc="several token folders drawn by weight instead of `data.root`: a list of "
         "`{root, weight, name}` (name: default the folder's last path component); see "
         "[Mixing sources](data.md#mixing-sources)",
@@ -219,8 +230,10 @@ def check_mix(cfg: DataConfig) -> None:
         if not isinstance(root, str) or not root.strip():
             raise UserError(f"config error: {key}.root: expected a folder, got {root!r}")
         urls.check_location(root, f"{key}.root")
-        if not _is_number(weight) or not 0 < weight < math.inf:
-            raise UserError(f"config error: {key}.weight: must be a number > 0, got {weight!r}")
+        if number(weight) is None or not 0 < weight < math.inf:
+            raise UserError(
+                f"config error: {key}.weight: must be a finite number > 0, got {weight!r}"
+            )
         name = source_name(root) if name is None else name
         if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
             raise UserError(
@@ -230,17 +243,21 @@ def check_mix(cfg: DataConfig) -> None:
         if name in names:
             raise UserError(
                 f"config error: {key}.name: '{name}' names data.tokens.mix[{names[name]}] "
-                f"too; give each source its own name:"
+                f"too; give each source its own name: {{root: FOLDER, weight: NUMBER, name: NAME}}"
             )
         names[name] = i
-    total = sum(entry["weight"] for entry in mix)
-    for i, entry in enumerate(mix):
-        if entry["weight"] * MIX_PERIOD < total:
+    for i, share in enumerate(mix_shares([entry["weight"] for entry in mix])):
+        if share * MIX_PERIOD < 1:
             raise UserError(
-                f"config error: data.tokens.mix[{i}].weight: {entry['weight']!r} is less than "
-                f"1/{MIX_PERIOD} of the weights' total ({total!r}); raise it or drop the source"
+                f"config error: data.tokens.mix[{i}].weight: {mix[i]['weight']!r} is less than "
+                f"1/{MIX_PERIOD} of the weights' total ({share:.2g} of it); raise it or drop "
+                f"the source"
             )
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def mix_shares(weights: Sequence[float]) -> list[float]:
+    """The weights normalised to sum to 1, from their ratios to the largest: weights as large
+    as 1e308 each have a total that overflows to inf, and every share would be 0."""
+    top = max(weights)
+    ratios = [w / top for w in weights]
+    return [r / sum(ratios) for r in ratios]

@@ -1,14 +1,16 @@
 """A config is YAML with the sections below (read with `yaml.safe_load`: tags such as
-`!!python/...` are refused); every key has a default, so a config lists only what differs.
-Overrides on the command line are dotted `section.key=value` pairs whose values are read as YAML:
-`optim.lr=3e-4`, `model.args={width: 32}`, `parallel.fsdp.wrap=[BasicBlock]`.
+`!!python/...` are refused, and so is a key given twice); every key has a default, so a config
+lists only what differs. Overrides on the command line are dotted `section.key=value` pairs whose
+values are read as YAML: `optim.lr=3e-4`, `model.args={width: 32}`,
+`parallel.fsdp.wrap=[BasicBlock]`.
 
 Checking is strict and happens before any process group exists or anything is written: an unknown
 key names the closest valid one (`unknown key 'optim.lrr' (did you mean 'optim.lr'?)`), a wrong
-type or an out-of-range value names the key, malformed YAML gives the file, line and column, each
-as one line on stderr with exit code 2. The resolved config is written to the run directory as
-`config.yaml`. A loaded config is read-only (frozen dataclasses): the code a config names (a
-builder, a task) gets its section as it was checked; `dataclasses.replace` makes a changed copy.
+type or an out-of-range value (`.inf` or `.nan` for any number) names the key, malformed YAML
+gives the file, line and column, each as one line on stderr with exit code 2. The resolved config
+is written to the run directory as `config.yaml`. A loaded config is read-only (frozen
+dataclasses): the code a config names (a builder, a task) gets its section as it was checked;
+`dataclasses.replace` makes a changed copy.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from dtrain.config.data import DataConfig
 from dtrain.config.fields import (
     AT_LEAST_ONE,
+    DURATION,
     FRACTION,
     NON_NEGATIVE,
     POSITIVE,
+    numbers_read,
     option,
 )
 from dtrain.config.model import ModelConfig
@@ -60,7 +64,7 @@ class RunConfig:
     )
     upload_every_s: float = option(
         60.0,
-        check=POSITIVE,
+        check=DURATION,
         doc="a run in an object store: seconds between uploads of its records (also at every "
         "checkpoint and at exit)",
     )
@@ -73,10 +77,10 @@ class DistConfig:
     backend: str = option(
         "auto", choices=("auto", "nccl", "gloo"), doc="auto: nccl on CUDA, gloo on the CPU"
     )
-    timeout_s: float = option(600.0, check=POSITIVE, doc="collective timeout while training")
+    timeout_s: float = option(600.0, check=DURATION, doc="collective timeout while training")
     init_timeout_s: float = option(
         300.0,
-        check=POSITIVE,
+        check=DURATION,
         doc="timeout of the start-up rendezvous (slow starts don't trip the training timeout)",
     )
 
@@ -174,7 +178,7 @@ class OptimConfig:
     )
     momentum: float = option(0.9, check=FRACTION, doc="sgd")
     nesterov: bool = option(False, doc="sgd")
-    betas: list = option([0.9, 0.999], doc="adam/adamw: two numbers")
+    betas: list = option([0.9, 0.999], parse=numbers_read, doc="adam/adamw: two numbers")
     eps: float = option(1e-8, check=POSITIVE, doc="adam/adamw")
 
 
@@ -385,7 +389,7 @@ class LogConfig:
     tensorboard: bool = option(True, doc="rank 0 writes TensorBoard events to `tb/`")
     every_s: float = option(
         30.0,
-        check=POSITIVE,
+        check=DURATION,
         doc="non-terminal consoles: a progress line at least this often "
         "(besides one every `train.log_every` steps)",
     )

@@ -25,6 +25,13 @@ class CheckpointError(Exception):
     exit_code = 1
 
 
+class Interrupted(TrainingStopped):
+    """A second Ctrl-C: the run stops at once, without its stop checkpoint: exit 130 (as a
+    shell reports an interrupt) with this message, which says what was kept."""
+
+    exit_code = 130
+
+
 class PeerFailure(Exception):
     """A collective failed because another rank died or stalled: exit 1 with this message, on
     every rank that saw it (it is not the same on all ranks)."""

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dtrain.config import DataConfig
-from dtrain.config.data import MIX_PERIOD, mix_names
+from dtrain.config.data import MIX_PERIOD, mix_names, mix_shares
 from dtrain.core.errors import UserError
 from dtrain.data import masks as loss_masks
 from dtrain.data import tokens as one_folder
@@ -51,7 +51,7 @@ _KEPT_ORDERS = 16
 def quotas(weights: Sequence[float]) -> np.ndarray:
     """The weights, normalised, as whole parts of MIX_PERIOD (largest remainders round up):
     every quota is at least 1, as the config allows no weight below 1/MIX_PERIOD of the total."""
-    raw = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_PERIOD
+    raw = np.asarray(mix_shares(weights), dtype=np.float64) * MIX_PERIOD
     whole = np.floor(raw).astype(np.int64)
     short = MIX_PERIOD - int(whole.sum())
     whole[np.argsort(-(raw - whole), kind="stable")[:short]] += 1

@@ -20,6 +20,7 @@ STAGING_PREFIX = ".dtrain-staging-"
 ADVICE = {
     "eval": "free space or make it writable",
     "train": "free space or make it writable, and launch again (the checkpoints are kept)",
+    "sweep": "free space or make it writable, or choose another run.out_dir",
 }
 # Free space below which a failed write is taken for a full disk (a file system keeps a few
 # blocks it does not hand out).

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.files import names
 
 SWEEP_FILE = names.SWEEP
@@ -45,7 +46,7 @@ def read_sweep(folder: str) -> dict[str, Any] | None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise NotASweep(path, f"cannot be read ({reason})") from None

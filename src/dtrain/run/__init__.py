@@ -16,7 +16,7 @@ from torch import nn
 from dtrain import checkpoint, data, models
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
-from dtrain.core.errors import PeerFailure, UserError, first_line
+from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
 from dtrain.files import names, outputs
 from dtrain.files.lease import Lease
 from dtrain.files.objstore import ObjectStore
@@ -209,6 +209,10 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
         dist.barrier()
         return outcome
+    except KeyboardInterrupt:  # a second Ctrl-C (core/signals.py): one line, not a traceback
+        stopped = _interrupted(record.store)
+        record.fail(stopped)
+        raise stopped from None
     except BaseException as e:
         if isinstance(e, UserError):
             dist.announce_abort(str(e))  # the other ranks stop with the same line
@@ -221,6 +225,24 @@ def train(cfg: Config, config_path: str | None = None) -> str:
             remote.close()  # the last upload of the records, then the lease goes
         lock.release()
         dist.shutdown()
+
+
+def _interrupted(store: Store | None) -> Interrupted:
+    """The line of a run stopped at once: what it keeps is its last complete checkpoint (a save
+    under way is left incomplete, and the next start clears it)."""
+    stopped = "stopped at once by a second Ctrl-C"
+    if store is None:
+        return Interrupted(f"{stopped}; training had not started: nothing of it was saved")
+    try:
+        saved = store.complete()
+    except Exception:  # noqa: BLE001 - a store out of reach: say what is known
+        return Interrupted(f"{stopped}; the last complete checkpoint in {store.location} is kept")
+    if not saved:
+        return Interrupted(f"{stopped}; no checkpoint was complete: the same command starts afresh")
+    return Interrupted(
+        f"{stopped}; the last complete checkpoint is kept: {saved[0].path} (step "
+        f"{saved[0].step}); the same command resumes from it"
+    )
 
 
 def _train(

@@ -97,6 +97,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def _describe(args: argparse.Namespace, words: sweep_space.Words, name: str, folder: str) -> dict:
     """The sweep.yaml this command asks for, its trials made afresh."""
+    sweep_space.check_count(words.space, args.random)
     mode = "random" if args.random is not None else "grid"
     if mode == "grid":
         trials = sweep_space.grid(words.space)

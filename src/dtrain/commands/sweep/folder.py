@@ -13,6 +13,7 @@ from dtrain import config
 from dtrain.commands.sweep import space as sweep_space
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
+from dtrain.files.outputs import output_error
 from dtrain.files.sweeps import NotASweep, read_sweep
 
 FILE = names.SWEEP
@@ -76,16 +77,19 @@ def trial_for_task(
 
 
 def write(folder: str, data: dict) -> None:
-    """sweep.yaml, atomically: a reader (an array task starting) sees the old file or the new."""
-    os.makedirs(folder, exist_ok=True)
+    """sweep.yaml, atomically: a reader (an array task starting) sees the old file or the new.
+    A folder that cannot be written (read-only, full) is one line, the old file kept."""
     path = os.path.join(folder, FILE)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(folder, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             yaml.safe_dump(data, f, sort_keys=False, width=100)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise output_error("sweep", folder, e) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

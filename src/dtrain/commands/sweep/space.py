@@ -26,6 +26,8 @@ from typing import Any, Union
 import yaml
 
 from dtrain import config
+from dtrain.config.fields import number, read_number
+from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.core.errors import UserError
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice")
@@ -34,6 +36,9 @@ _DISTRIBUTION = re.compile(r"^\s*(uniform|loguniform|choice)\s*\((.*)\)\s*$", re
 _SET_BY_SWEEP = ("run.name",)
 _NOT_SWEPT = ("run.name", "run.out_dir")
 NAME_MAX = 120  # characters of a trial's name; longer ones end with a digest
+# Trials in one sweep: each is a run of its own, checked, listed in sweep.yaml and launched one
+# after another (or as one array job); more than this is a typo, not a plan.
+MAX_TRIALS = 10_000
 
 
 def key_type(dotted: str) -> Any:
@@ -129,7 +134,7 @@ def _swept(word: str, key: str, raw: str, tp: Any, random_mode: bool) -> dict[st
     if not raw.lstrip().startswith("["):
         return None
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(
@@ -156,17 +161,11 @@ def _swept(word: str, key: str, raw: str, tp: Any, random_mode: bool) -> dict[st
     return {"values": value}
 
 
-_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
 def _number(value: Any, tp: Any) -> Any:
-    """`1e-4` as the number it means: YAML 1.1 reads an exponent without a dot as text."""
-    if (
-        isinstance(value, str)
-        and _EXPONENT_FLOAT.match(value)
-        and (tp is None or _admits(tp, float))
-    ):
-        return float(value)
+    """`1e-4` as the number it means (YAML 1.1 reads an exponent without a dot as text), read as
+    the config reads it."""
+    if isinstance(value, str) and (tp is None or _admits(tp, float)):
+        return read_number(value)
     return value
 
 
@@ -187,7 +186,7 @@ def override(key: str, value: Any) -> str:
 
 def _distribution(word: str, name: str, inner: str) -> list:
     try:
-        args = yaml.safe_load(f"[{inner}]")
+        args = load_yaml(f"[{inner}]")
     except yaml.YAMLError:
         args = None
     if not isinstance(args, list):
@@ -197,15 +196,35 @@ def _distribution(word: str, name: str, inner: str) -> list:
             raise UserError(f"sweep error: {word}: choice() needs at least one value")
         return args
     args = [_number(a, None) for a in args]
-    numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    numbers = [a for a in args if number(a) is not None]
     if len(args) != 2 or len(numbers) != 2:
         raise UserError(f"sweep error: {word}: {name}(a,b) takes two numbers, low and high")
     low, high = (float(a) for a in args)
+    if not math.isfinite(high - low):
+        raise UserError(f"sweep error: {word}: {name}(a,b) needs finite bounds")
     if not low < high:
         raise UserError(f"sweep error: {word}: {name}(a,b) needs a < b")
     if name == "loguniform" and low <= 0:
         raise UserError(f"sweep error: {word}: loguniform(a,b) needs 0 < a < b")
     return args
+
+
+def check_count(space: dict[str, dict[str, list]], random_trials: int | None) -> None:
+    """Refuse a sweep of more than MAX_TRIALS trials before any is made (a grid's count is the
+    product of its lists' lengths)."""
+    if random_trials is not None and random_trials > MAX_TRIALS:
+        raise UserError(
+            f"sweep error: --random {random_trials}: at most {MAX_TRIALS} trials in one sweep; "
+            f"ask for fewer (--extend adds more to a sweep later)"
+        )
+    sizes = [len(spec["values"]) for spec in space.values() if "values" in spec]
+    if random_trials is None and math.prod(sizes) > MAX_TRIALS:
+        shape = " x ".join(map(str, sizes))
+        raise UserError(
+            f"sweep error: the grid has {math.prod(sizes)} trials ({shape}), at most "
+            f"{MAX_TRIALS} in one sweep; sweep fewer values, or a random sample of them "
+            f"(--random N with choice(...))"
+        )
 
 
 def grid(space: dict[str, dict[str, list]]) -> list[dict[str, Any]]:
