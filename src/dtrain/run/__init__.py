@@ -121,7 +121,7 @@ class RemoteRun:
     def __init__(self, cfg: Config, rank: int) -> None:
         assert cfg.run_url is not None
         options = dict(cfg.run.storage_options)
-        self.out = ObjectStore(cfg.run.out_dir, options)
+        self.out = ObjectStore(cfg.run.out_dir, options, cfg.run.store_timeout_s)
         self.run = self.out.child(cfg.run_name)
         self.options = options
         self.lease = Lease(self.run)
