@@ -428,7 +428,7 @@ class Checkpointer:
     def _load(self, path: str) -> None:
         """Read the checkpoint, check it against the model and the config, then apply it. One
         in an object store is read from its node's copy, removed once every rank applied it."""
-        local = local_folder(path, self._fetched, self.store.options)
+        local = local_folder(path, self._fetched, self.store.options, self.store.timeout_s)
         shown = path.rstrip("/") if is_url(path) else None
 
         def read() -> tuple[str, str, dict[str, Any]]:

@@ -59,7 +59,7 @@ class StoreUnanswered(UserError):
 
     exit_code = 1
 
-    def __init__(self, line: str, cause: str, stopped_by: int | None = None) -> None:
+    def __init__(self, line: str, cause: str = "", stopped_by: int | None = None) -> None:
         super().__init__(line)
         self.cause = cause  # what went wrong, without the endpoint (for lines that name it)
         self.stopped_by = stopped_by

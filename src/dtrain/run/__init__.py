@@ -234,6 +234,7 @@ def _train(
     run_dir = cfg.run_dir
     store = remote.store(run_dir) if remote else Store(run_dir)
     store.options = dict(cfg.run.storage_options)  # also for a ckpt.resume in a store
+    store.timeout_s = cfg.run.store_timeout_s
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(
