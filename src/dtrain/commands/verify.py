@@ -24,7 +24,7 @@ from dtrain.files.digests import (
     read_marker,
     verify_files,
 )
-from dtrain.files.objstore import ObjectStore, is_url
+from dtrain.files.objstore import ObjectStore, StoreUnanswered, is_url
 from dtrain.files.remote_store import fetch_checkpoint
 
 
@@ -120,6 +120,8 @@ def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
         return "damaged", f"its {MARKER} marker is not what the save wrote: changed since"
     try:
         local = fetch_checkpoint(url, into, {})
+    except StoreUnanswered:  # nothing is known of the checkpoint, least of all damage
+        raise
     except UserError as e:
         return "damaged", str(e).removeprefix("checkpoint error: ")
     try:
