@@ -134,16 +134,26 @@ def local_folder(
     path: str, into: str, options: dict[str, Any], timeout_s: float = TIMEOUT_S
 ) -> str:
     """`path` itself, or for a checkpoint in an object store its local copy below `into` (of a
-    full checkpoint, only rank 0 reads the files; the others the marker)."""
+    full checkpoint, only rank 0 reads the files; the others the marker). What one rank met
+    fetching it (a store that did not answer, a damaged marker), every rank raises: none is
+    left waiting for a rank that stopped."""
     if not is_url(path):
         return path
-    return fetch_checkpoint(
-        path,
-        into,
-        options,
-        lambda marker: marker.get("format") != "full" or dist.is_main(),
-        timeout_s,
-    )
+    local, failure = "", None
+    try:
+        local = fetch_checkpoint(
+            path,
+            into,
+            options,
+            lambda marker: marker.get("format") != "full" or dist.is_main(),
+            timeout_s,
+        )
+    except UserError as e:
+        failure = e
+    met = [e for e in dist.gather_objects(failure) if e is not None]
+    if met:
+        raise met[0]
+    return local
 
 
 def apply_full(
