@@ -1,12 +1,16 @@
 """A TCP proxy a test controls: in front of a server, it forwards every connection until cut(),
 which drops the open connections and refuses new ones (as a network partition or a lost endpoint
-would), until restore(). slow_down(n) answers the next n requests itself with S3's "503 Slow
+would), until restore(). hold() keeps every connection open and accepts new ones but forwards
+nothing either way (as a store stopped with SIGSTOP: the kernel still accepts), until restore().
+when(marker, action) calls cut or hold as soon as a client sends `marker` (a request's path),
+before that request goes on. slow_down(n) answers the next n requests itself with S3's "503 Slow
 Down", as a busy bucket does."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 
 
 class Proxy:
@@ -15,6 +19,8 @@ class Proxy:
         self.listener = socket.create_server((host, 0))
         self.host, self.port = host, self.listener.getsockname()[1]
         self.cut_off = threading.Event()
+        self.held = threading.Event()
+        self._trigger: tuple[bytes, Callable[[], None]] | None = None
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._to_slow_down = 0
@@ -27,6 +33,9 @@ class Proxy:
 
     def cut(self) -> None:
         self.cut_off.set()
+        self._drop()
+
+    def _drop(self) -> None:
         with self._lock:
             for sock in self._open:
                 try:
@@ -36,8 +45,17 @@ class Proxy:
                 sock.close()
             self._open.clear()
 
+    def hold(self) -> None:
+        self.held.set()
+
     def restore(self) -> None:
+        if self.held.is_set():  # what was held is lost: the clients open new connections
+            self._drop()
         self.cut_off.clear()
+        self.held.clear()
+
+    def when(self, marker: bytes, action: Callable[[], None]) -> None:
+        self._trigger = (marker, action)
 
     def slow_down(self, requests: int) -> None:
         """Answer the next `requests` requests with 503 SlowDown (each on a connection of its
@@ -60,6 +78,11 @@ class Proxy:
             if self.cut_off.is_set():
                 client.close()
                 continue
+            if self.held.is_set():  # accepted, read, never answered
+                with self._lock:
+                    self._open.add(client)
+                threading.Thread(target=self._pipe, args=(client, None), daemon=True).start()
+                continue
             with self._lock:
                 slow = self._to_slow_down > 0
                 self._to_slow_down -= slow
@@ -73,24 +96,32 @@ class Proxy:
                 continue
             with self._lock:
                 self._open.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, from_client in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, from_client), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket | None,
+              from_client: bool = True) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                trigger = self._trigger
+                if from_client and trigger is not None and trigger[0] in data:
+                    self._trigger = None
+                    trigger[1]()
+                if sink is not None and not self.held.is_set() and not self.cut_off.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
             for sock in (source, sink):
                 try:
-                    sock.close()
+                    if sock is not None:
+                        sock.close()
                 except OSError:
                     pass
             with self._lock:
                 self._open.discard(source)
-                self._open.discard(sink)
+                if sink is not None:
+                    self._open.discard(sink)
 
     def _answer_slow_down(self, client: socket.socket) -> None:
         """Read one request's head (a PUT waits for "100 Continue" before its body, and gets

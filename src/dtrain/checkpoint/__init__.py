@@ -53,7 +53,7 @@ from dtrain.checkpoint.state import (
 from dtrain.config import CkptConfig
 from dtrain.core.errors import OutsideName, UserError, first_line
 from dtrain.core.logs import log
-from dtrain.files.objstore import is_url
+from dtrain.files.objstore import StoreUnanswered, is_url
 from dtrain.files.store import (
     FETCHED_PREFIX,
     LATEST,
@@ -409,12 +409,13 @@ class Checkpointer:
 
     def _try_load(self, path: str) -> str | None:
         """Load the checkpoint at `path` on every rank; None on success, else the reason. Every
-        rank reaches the same verdict. A config that trains something else is not a reason to
-        try an older checkpoint: it ends the start with exit 2."""
+        rank reaches the same verdict. A config that trains something else (exit 2), or a store
+        that does not answer (exit 1: nothing is known of the checkpoint, least of all that it
+        is damaged), is not a reason to try an older checkpoint: it ends the start."""
         problem = None
         try:
             self._load(path)
-        except (ConfigChanged, OutsideName):  # on every rank alike
+        except (ConfigChanged, OutsideName, StoreUnanswered):  # every rank, or told by one
             shutil.rmtree(self._fetched, ignore_errors=True)
             raise
         except UserError as e:
@@ -427,7 +428,7 @@ class Checkpointer:
     def _load(self, path: str) -> None:
         """Read the checkpoint, check it against the model and the config, then apply it. One
         in an object store is read from its node's copy, removed once every rank applied it."""
-        local = local_folder(path, self._fetched, self.store.options)
+        local = local_folder(path, self._fetched, self.store.options, self.store.timeout_s)
         shown = path.rstrip("/") if is_url(path) else None
 
         def read() -> tuple[str, str, dict[str, Any]]:

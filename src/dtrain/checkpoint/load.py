@@ -16,7 +16,7 @@ from dtrain.config import CkptConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
 from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_files
-from dtrain.files.objstore import is_url
+from dtrain.files.objstore import TIMEOUT_S, is_url
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.resume_policy import is_length_change, training_differences
 from dtrain.parallel import unwrap
@@ -134,14 +134,30 @@ def trained_shapes(model: nn.Module, adapters_only: bool) -> dict[str, tuple[int
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in frozen}
 
 
-def local_folder(path: str, into: str, options: dict[str, Any]) -> str:
+def local_folder(
+    path: str, into: str, options: dict[str, Any], timeout_s: float = TIMEOUT_S
+) -> str:
     """`path` itself, or for a checkpoint in an object store its local copy below `into` (of a
-    full checkpoint, only rank 0 reads the files; the others the marker)."""
+    full checkpoint, only rank 0 reads the files; the others the marker). What one rank met
+    fetching it (a store that did not answer, a damaged marker), every rank raises: none is
+    left waiting for a rank that stopped."""
     if not is_url(path):
         return path
-    return fetch_checkpoint(
-        path, into, options, lambda marker: marker.get("format") != "full" or dist.is_main()
-    )
+    local, failure = "", None
+    try:
+        local = fetch_checkpoint(
+            path,
+            into,
+            options,
+            lambda marker: marker.get("format") != "full" or dist.is_main(),
+            timeout_s,
+        )
+    except UserError as e:
+        failure = e
+    met = [e for e in dist.gather_objects(failure) if e is not None]
+    if met:
+        raise met[0]
+    return local
 
 
 def apply_full(

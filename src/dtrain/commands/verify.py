@@ -25,7 +25,7 @@ from dtrain.files.digests import (
     read_marker,
     verify_files,
 )
-from dtrain.files.objstore import ObjectStore, is_url
+from dtrain.files.objstore import ObjectStore, StoreUnanswered, is_url
 from dtrain.files.remote_store import fetch_checkpoint
 
 
@@ -121,7 +121,7 @@ def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
         return "damaged", f"its {MARKER} marker is not what the save wrote: changed since"
     try:
         local = fetch_checkpoint(url, into, {})
-    except OutsideName:  # not a damaged checkpoint: a store to refuse
+    except (OutsideName, StoreUnanswered):  # a store to refuse, or one that told nothing
         raise
     except UserError as e:
         return "damaged", str(e).removeprefix("checkpoint error: ")

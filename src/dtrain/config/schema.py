@@ -68,6 +68,13 @@ class RunConfig:
         doc="a run in an object store: seconds between uploads of its records (also at every "
         "checkpoint and at exit)",
     )
+    store_timeout_s: float = option(
+        45.0,
+        check=DURATION,
+        doc="a run in an object store: the longest one request waits for the store's answer, "
+        "its retries included (a transfer also gets a second per MiB it moved); past it a save "
+        "is given up (a warning, training goes on), anything else ends the run with one line",
+    )
 
 
 @dataclass(frozen=True)

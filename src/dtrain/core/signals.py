@@ -79,3 +79,16 @@ def stops_raise() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+# A wait for a server (a request to an object store) goes on this long after a stop signal:
+# what a store that answers needs to finish a request (a part of an upload), and no more.
+STOP_GRACE_S = 5.0
+
+
+def ends_wait(began: float) -> int | None:
+    """The stop signal that ends a wait begun at `began` (time.monotonic()) now, or None: one
+    received, and STOP_GRACE_S passed since it came (or since the wait began, when later)."""
+    if _received is None or time.monotonic() - max(began, _received_at) < STOP_GRACE_S:
+        return None
+    return _received

@@ -62,8 +62,12 @@ class _Ranged:
         if stop <= start:
             return np.zeros(0, dtype=self.dtype)
         item = self.dtype.itemsize
-        data = self.objects.fs.cat_file(
-            self.objects.path(self.name), start=start * item, end=stop * item
+        data = self.objects.request(
+            f"a read of {self.objects.url_of(self.name)}",
+            self.objects.fs._cat_file(
+                self.objects.path(self.name), start=start * item, end=stop * item
+            ),
+            moved=(stop - start) * item,
         )
         return np.frombuffer(data, dtype=self.dtype)
 

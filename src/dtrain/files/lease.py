@@ -71,13 +71,14 @@ class Lease:
         self._thread = threading.Thread(target=self._renew, name="dtrain-lease", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
+    def release(self, remove: bool = True) -> None:
+        """Stop renewing the lease and, with `remove`, remove it (when it is still this run's)."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if not self.lost:
+        if remove and not self.lost:
             try:
                 data, etag = self.store.read_with_etag(self.rel)
                 if etag == self.etag:  # never delete a lease another run holds now

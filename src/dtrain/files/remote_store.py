@@ -28,7 +28,7 @@ from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.files.digests import ALGORITHM, MARKER, parse_marker, seal, verify_files
 from dtrain.files.keys import local_path
-from dtrain.files.objstore import ObjectStore, StreamingUpload
+from dtrain.files.objstore import TIMEOUT_S, ObjectStore, StreamingUpload
 from dtrain.files.store import CHECKPOINTS, LATEST, RECORD_FILES, SUPERSEDED, Entry, Store
 
 
@@ -165,7 +165,7 @@ class RemoteStore(Store):
             )
         for name in extra:
             if name in record_names:  # a file
-                self.objects.fs.copy(self.objects.path(name), self.objects.path(f"{target}/{name}"))
+                self.objects.copy(name, f"{target}/{name}", record_names[name])
                 self.objects.rm(name)
             else:
                 self.objects.move_tree(name, f"{target}/{name}")
@@ -193,6 +193,7 @@ def fetch_checkpoint(
     into: str,
     options: dict[str, Any],
     reads: Callable[[dict[str, Any]], bool] = lambda marker: True,
+    timeout_s: float = TIMEOUT_S,
 ) -> str:
     """The checkpoint at `url` (its folder, or its checkpoint.pt) as a local folder below
     `into`: its marker and, when `reads(marker)` (this process reads the files of a checkpoint
@@ -204,7 +205,7 @@ def fetch_checkpoint(
     folder = url.rstrip("/")
     if folder.endswith(".pt"):
         folder = folder.rsplit("/", 1)[0]
-    objects = ObjectStore(folder, options)
+    objects = ObjectStore(folder, options, timeout_s)
     parent, name = folder.rsplit("/", 1)
     local = local_path(into, name, parent)  # a folder the store lists: a stranger's name
     os.makedirs(into, exist_ok=True)

@@ -18,6 +18,7 @@ NOT_TRAINING = (
     "run.storage_options",
     "run.staging_dir",
     "run.upload_every_s",
+    "run.store_timeout_s",
     "log.",
     "ckpt.",
     "dist.",

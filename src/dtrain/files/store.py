@@ -39,6 +39,7 @@ from dtrain.core.logs import log
 from dtrain.core.monitor import best_first
 from dtrain.files import names
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
+from dtrain.files.objstore import TIMEOUT_S
 
 LATEST = "latest"
 LOCK_FILE = names.LOCK
@@ -228,6 +229,7 @@ class Store:
         self.dir = os.path.join(run_dir, CHECKPOINTS)  # where saves are written first
         self.location = self.dir  # where the checkpoints are, for messages
         self.options: dict[str, Any] = {}  # the object store's (run.storage_options)
+        self.timeout_s = TIMEOUT_S  # and the deadline of each request to it (run.store_timeout_s)
         # Whether a failed save may pass (training goes on, the next save tries again): not on
         # a disk, where it fails for reasons that stay (full, read-only).
         self.retries_saves = False

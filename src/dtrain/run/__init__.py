@@ -19,7 +19,7 @@ from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
 from dtrain.files import names, outputs
 from dtrain.files.lease import Lease
-from dtrain.files.objstore import ObjectStore
+from dtrain.files.objstore import ObjectStore, StoreUnanswered
 from dtrain.files.remote_store import RemoteStore
 from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
@@ -121,7 +121,7 @@ class RemoteRun:
     def __init__(self, cfg: Config, rank: int) -> None:
         assert cfg.run_url is not None
         options = dict(cfg.run.storage_options)
-        self.out = ObjectStore(cfg.run.out_dir, options)
+        self.out = ObjectStore(cfg.run.out_dir, options, cfg.run.store_timeout_s)
         self.run = self.out.child(cfg.run_name)
         self.options = options
         self.lease = Lease(self.run)
@@ -132,9 +132,11 @@ class RemoteRun:
         store.before_marker = self.mirror.sync  # the records up to a checkpoint, before it
         return store
 
-    def close(self) -> None:
-        self.mirror.stop()
-        self.lease.release()
+    def close(self, answering: bool = True) -> None:
+        """The last upload of the records, then the lease goes; neither when the store stopped
+        answering (the records stay in the staging folder, the lease lapses by itself)."""
+        self.mirror.stop(upload=answering)
+        self.lease.release(remove=answering)
 
 
 def state_bytes(
@@ -195,6 +197,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         remote.out if remote else None,
     )
     loaders: data.Loaders | None = None
+    answering = True  # the store (nothing more is asked of one that stopped answering)
     try:
         pieces = build_pieces(cfg, layout, clock)
         loaders = pieces.loaders
@@ -216,13 +219,15 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     except BaseException as e:
         if isinstance(e, UserError):
             dist.announce_abort(str(e))  # the other ranks stop with the same line
-        record.fail(e)
+        answering = not isinstance(e, StoreUnanswered)
+        if answering:
+            record.fail(e)
         raise
     finally:
         data.close_loaders(loaders)
         signals.uninstall()
         if remote is not None:
-            remote.close()  # the last upload of the records, then the lease goes
+            remote.close(answering)
         lock.release()
         dist.shutdown()
 
@@ -256,6 +261,7 @@ def _train(
     run_dir = cfg.run_dir
     store = remote.store(run_dir) if remote else Store(run_dir)
     store.options = dict(cfg.run.storage_options)  # also for a ckpt.resume in a store
+    store.timeout_s = cfg.run.store_timeout_s
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(

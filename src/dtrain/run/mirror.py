@@ -92,13 +92,14 @@ class RecordMirror:
                     )
                 self._warned = True
 
-    def stop(self) -> None:
-        """The last upload, at exit."""
+    def stop(self, upload: bool = True) -> None:
+        """The last upload, at exit (unless not `upload`)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.sync()
+        if upload:
+            self.sync()
 
     def _every(self) -> None:
         while not self._stop.wait(self.every_s):

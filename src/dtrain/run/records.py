@@ -26,12 +26,16 @@ import yaml
 from dtrain.config import CkptConfig, Config, to_dict
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
-from dtrain.files.objstore import ObjectStore, is_url, join
+from dtrain.files.objstore import ObjectStore, StoreUnanswered, is_url, join
 from dtrain.files.resume_policy import training_part
 from dtrain.files.store import Store
 from dtrain.observe import clock, log
 from dtrain.process import slurm
 from dtrain.process.layout import Layout
+
+# What keeps a run's row from being written: a full disk, a store that does not answer, a table
+# that is not one. The record is a convenience: training goes on, with a warning.
+UNRECORDED = (OSError, csv.Error, StoreUnanswered)
 
 FILE = names.RUNS_CSV
 # What `dtrain runs` shows, and under which heading.
@@ -177,7 +181,7 @@ class RunRecord:
 
         try:
             self.table.change(edit)
-        except (OSError, csv.Error) as e:  # the record is a convenience: training goes on
+        except UNRECORDED as e:  # the record is a convenience: training goes on
             log.warning(f"run records: cannot write {self.path} ({e}); this run is not recorded")
             return
         self.store = store
@@ -214,7 +218,7 @@ class RunRecord:
 
         try:
             self.table.change(edit)
-        except (OSError, csv.Error) as e:
+        except UNRECORDED as e:
             log.warning(f"run records: cannot update {self.path} ({e})")
 
     def fail(self, error: BaseException) -> None:
@@ -234,7 +238,7 @@ class RunRecord:
 
         try:
             self.table.change(edit)
-        except (OSError, csv.Error) as e:  # a full disk must not end the run (or hide its error)
+        except UNRECORDED as e:  # a full disk must not end the run (or hide its error)
             log.warning(f"run records: cannot update {self.path} ({e})")
 
 
