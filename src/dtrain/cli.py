@@ -28,6 +28,7 @@ Handler = Callable[[argparse.Namespace], int]
 RUN_DIR_HELP = "the run directory (or DIR alone); --run is the same outside torchrun"
 WEIGHTS = ("model", "ema")
 WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema)"
+TAKES_CONFIG = "takes its config as --config PATH"
 
 
 # Said by the commands that read runs and checkpoints (and write outputs) where they lie.
@@ -42,6 +43,7 @@ def _train(args: argparse.Namespace) -> int:
     from dtrain import run
     from dtrain.core.errors import UserError
 
+    args.overrides = config.overrides_only(args.overrides, "train", TAKES_CONFIG)
     config_path, overrides = args.config, args.overrides
     if args.sweep is not None:  # a sweep's trial: a SLURM array task, or --trial I
         config_path, overrides = _sweep_trial(args)
@@ -75,6 +77,7 @@ def _sweep(args: argparse.Namespace) -> int:
     # no torch to check and launch, only to find GPUs for --nproc
     from dtrain.commands.sweep import command as sweep
 
+    args.words = config.overrides_only(args.words, "sweep", TAKES_CONFIG)
     return sweep.main(args)
 
 
@@ -84,7 +87,7 @@ def _plan(args: argparse.Namespace) -> int:
     from dtrain.core.errors import UserError
 
     limit = plan_fit.parse_size(args.memory_limit) if args.memory_limit is not None else None
-    cfg = config.load(args.config, args.overrides)
+    cfg = config.load(args.config, config.overrides_only(args.overrides, "plan", TAKES_CONFIG))
     if limit is None and (args.grow or args.format == "json"):
         raise UserError("plan error: --grow and --format json need --memory-limit (e.g. 6GiB)")
     if limit is None:
@@ -109,7 +112,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
-    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, args.overrides,
+    overrides = config.overrides_only(args.overrides, "export", "names its run as --run-dir DIR")
+    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, overrides,
                 args.max_shard_size, args.trust_remote_code)  # fmt: skip
     return 0
 
@@ -361,7 +365,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         "(exit 0: none damaged, 1: a checkpoint is damaged)",
         _verify,
     )
-    p.add_argument("path", nargs="?", metavar="PATH", help="a run directory or a checkpoint folder")
+    p.add_argument("path", nargs="?", metavar="PATH", help="a run, folder of runs or checkpoint")
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--run-dir", "--run", dest="run", metavar="DIR", help="a run directory: all its checkpoints"

@@ -382,8 +382,8 @@ def _line(chosen: Chosen, metrics: dict[str, float], samples: int, path: str) ->
 
 
 def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str, list[str]]:
-    """The run directory (`--run-dir DIR`, or the one word without `=`) and the overrides."""
-    dirs = [w for w in words if "=" not in w]
+    """The run directory (`--run-dir DIR`, or the one word that is a path) and the overrides."""
+    dirs, overrides = config.paths_and_overrides(words)
     if run_option is not None:
         dirs.insert(0, run_option)
     if len(dirs) != 1:
@@ -392,7 +392,7 @@ def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str
             f"usage error: dtrain eval takes one run directory, as --run-dir DIR or DIR{got}; "
             f"overrides are section.key=value"
         )
-    return dirs[0], [w for w in words if "=" in w]
+    return dirs[0], overrides
 
 
 def main(args: argparse.Namespace) -> int:

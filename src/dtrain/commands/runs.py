@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from dtrain.core.errors import UserError
 from dtrain.core.monitor import best_first, improves
 from dtrain.files import metrics as metrics_file
 from dtrain.files import names
+from dtrain.files.keys import local_path
+from dtrain.files.objstore import ObjectStore, is_url, join
 from dtrain.files.sweeps import SWEEP_FILE, NotASweep, overrides_of, read_sweep, swept_keys
 
 # Rows without a best value come after those with one, in this order (then folder order).
@@ -51,14 +54,15 @@ FIELDS = (
 )
 
 
-def collect(folder: str) -> tuple[list[str], list[dict[str, Any]]]:
+def collect(folder: str, shown: str | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """The swept keys and one row per run of `folder` (a sweep folder or a run.out_dir), best
-    first. A folder that is neither is a UserError."""
+    first. A folder that is neither is a UserError naming it as `shown` (default: `folder`)."""
     from dtrain.run import records
 
+    shown = shown or folder
     if not os.path.isdir(folder):
         raise UserError(
-            f"runs error: '{folder}' is not a directory; pass a sweep folder or the "
+            f"runs error: '{shown}' is not a directory; pass a sweep folder or the "
             f"run.out_dir of your runs"
         )
     try:
@@ -67,12 +71,12 @@ def collect(folder: str) -> tuple[list[str], list[dict[str, Any]]]:
         raise UserError(f"runs error: {e}; move it away or pass another folder") from None
     if sweep is None and not os.path.isfile(os.path.join(folder, records.FILE)):
         hint = (
-            f" ('{folder}' is one run's directory: pass its parent)"
+            f" ('{shown}' is one run's directory: pass its parent)"
             if os.path.isfile(os.path.join(folder, names.CONFIG))
             else ""
         )
         raise UserError(
-            f"runs error: '{folder}' holds neither {SWEEP_FILE} nor {records.FILE}; pass a "
+            f"runs error: '{shown}' holds neither {SWEEP_FILE} nor {records.FILE}; pass a "
             f"sweep folder or the run.out_dir of your runs{hint}"
         )
     recorded = records.read(folder)
@@ -291,7 +295,26 @@ def _or_dash(value: int | None) -> str:
 
 
 def main(folder: str, fmt: str) -> int:
-    """`dtrain runs DIR [--format table|csv|json]`."""
-    keys, rows = collect(folder)
+    """`dtrain runs DIR [--format table|csv|json]`; DIR on this disk or in an object store."""
+    if not is_url(folder):
+        keys, rows = collect(folder)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dtrain-runs-") as copies:
+            keys, rows = collect(_records_of(folder, copies), shown=folder)
+        for row in rows:
+            row["run_dir"] = join(folder, row["name"])
     print(render(keys, rows, fmt, folder))
     return 0
+
+
+def _records_of(url: str, into: str) -> str:
+    """What `collect` reads of a folder in an object store (its sweep.yaml, runs.csv or, for
+    its hint, config.yaml; each run's config.yaml and metrics.jsonl), copied into `into`."""
+    folder_files = (SWEEP_FILE, names.RUNS_CSV, names.CONFIG)
+    run_files = (names.CONFIG, names.METRICS)
+    objects = ObjectStore(url)
+    with objects.failing_as("read"):
+        for name in objects.files():
+            if name in folder_files or name.partition("/")[2] in run_files:
+                objects.get(name, local_path(into, name, objects.url))
+    return into

@@ -60,60 +60,95 @@ def _files(n: int) -> str:
     return f"{n} file" if n == 1 else f"{n} files"
 
 
+class _Folder:
+    """A folder on this disk, as `_walk` reads it: names relative to it ('/'-separated)."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.exists(path):
+            raise UserError(f"verify error: {path} not found")
+        self.name = path
+
+    def where(self, rel: str) -> str:
+        return os.path.join(self.name, *rel.split("/")) if rel else self.name
+
+    def is_checkpoint(self, rel: str) -> bool:
+        return os.path.exists(os.path.join(self.where(rel), MARKER))
+
+    def folders(self, rel: str) -> list[str]:
+        """Sub-folders by name, without hidden ones (`.tmp-` folders of saves in progress)."""
+        path = self.where(rel)
+        return sorted(
+            n
+            for n in os.listdir(path)
+            if not n.startswith(".") and os.path.isdir(os.path.join(path, n))
+        )
+
+
+class _Prefix:
+    """A prefix of an object store, as `_walk` reads it (its listing, the marker objects)."""
+
+    def __init__(self, url: str) -> None:
+        self.objects = ObjectStore(url)
+        self.name = self.objects.url
+        with self.objects.failing_as("read"):
+            if not self.objects.exists():
+                raise UserError(f"verify error: {url} not found")
+
+    def where(self, rel: str) -> str:
+        return self.objects.url_of(rel)
+
+    def is_checkpoint(self, rel: str) -> bool:
+        with self.objects.failing_as("read"):
+            return self.objects.cat(f"{rel}/{MARKER}" if rel else MARKER) is not None
+
+    def folders(self, rel: str) -> list[str]:
+        with self.objects.failing_as("read"):
+            return [n for n in self.objects.folders(rel) if not n.startswith(".")]
+
+
 def checkpoints_of(path: str) -> tuple[list[str], bool]:
     """The checkpoint folders that `path` names (a run directory, its `checkpoints/` folder, a
-    folder of runs such as a sweep or a run.out_dir, a checkpoint folder or its checkpoint.pt)
-    and whether it named one checkpoint."""
-    if not os.path.exists(path):
-        raise UserError(f"verify error: {path} not found")
+    folder of runs such as a sweep or a run.out_dir, a checkpoint folder or its checkpoint.pt),
+    on this disk or in an object store, and whether it named one checkpoint."""
+    if is_url(path):
+        if path.rstrip("/").endswith(f"/{FULL_FILE}"):
+            return [path.rstrip("/").rsplit("/", 1)[0]], True
+        return _walk(_Prefix(path))
     if os.path.isfile(path):
         if os.path.basename(path) == FULL_FILE:
             return [os.path.dirname(path) or "."], True
         raise UserError(
             f"verify error: {path} is a file; name a checkpoint folder or a run directory"
         )
-    if os.path.exists(os.path.join(path, MARKER)):
-        return [path], True
-    folder = os.path.join(path, CHECKPOINTS)
-    if os.path.basename(os.path.normpath(path)) == CHECKPOINTS:
-        folder = path
-    elif not os.path.isdir(folder):
-        runs = [os.path.join(path, n, CHECKPOINTS) for n in _subfolders(path)]
-        runs = [r for r in runs if os.path.isdir(r)]
-        if not runs:
+    return _walk(_Folder(path))
+
+
+def _walk(folder: _Folder | _Prefix) -> tuple[list[str], bool]:
+    """The one reading of what a path names, the same on a disk and in a store: a checkpoint
+    (its marker), a run directory or its checkpoints/ folder, or a folder of runs."""
+    if folder.is_checkpoint(""):
+        return [folder.where("")], True
+    if os.path.basename(os.path.normpath(folder.name)) == CHECKPOINTS:
+        below = [""]
+    elif CHECKPOINTS in folder.folders(""):
+        below = [CHECKPOINTS]
+    else:
+        runs = [run for run in folder.folders("") if CHECKPOINTS in folder.folders(run)]
+        below = [f"{run}/{CHECKPOINTS}" for run in runs]
+        if not below:
             raise UserError(
-                f"verify error: {path} is neither a checkpoint (no {MARKER} marker), a run "
-                f"directory (no {CHECKPOINTS}/ folder) nor a folder of runs"
+                f"verify error: {folder.name} is neither a checkpoint (no {MARKER} marker), a "
+                f"run directory (no {CHECKPOINTS}/ folder) nor a folder of runs"
             )
-        return [os.path.join(r, n) for r in runs for n in _subfolders(r)], False
-    return [os.path.join(folder, n) for n in _subfolders(folder)], False
-
-
-def _subfolders(path: str) -> list[str]:
-    """Sub-folders by name, without hidden ones (`.tmp-` folders of saves in progress)."""
-    return sorted(
-        n
-        for n in os.listdir(path)
-        if not n.startswith(".") and os.path.isdir(os.path.join(path, n))
-    )
-
-
-def remote_checkpoints_of(url: str) -> tuple[list[str], bool]:
-    """`checkpoints_of` for a URL: a checkpoint, a run directory or its checkpoints/ folder."""
-    objects = ObjectStore(url)
-    with objects.failing_as("read"):
-        if objects.cat(MARKER) is not None:
-            return [objects.url], True
-        below = objects if url.rstrip("/").endswith(CHECKPOINTS) else objects.child(CHECKPOINTS)
-        folders = below.folders()
-    if not folders and not objects.exists():
-        raise UserError(f"verify error: {url} not found")
-    return [below.url_of(n) for n in folders], False
+    found = [f"{b}/{n}" if b else n for b in below for n in folder.folders(b)]
+    return [folder.where(rel) for rel in found], False
 
 
 def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
     objects = ObjectStore(url)
     data = objects.cat(MARKER)
+    if data is None and not objects.files():  # rotated away by a running job meanwhile
+        return "gone", ""
     if data is None:
         return "incomplete", f"no {MARKER} marker: an interrupted save, never loaded"
     marker = parse_marker(data)
@@ -133,10 +168,13 @@ def _remote_verdict(url: str, into: str, threads: int) -> tuple[str, str]:
 
 def run(path: str, threads: int = 4) -> int:
     """Check every checkpoint `path` names; print one line each and a summary. Exit status: 0
-    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise. In an
+    when none is damaged (unverified ones, saved before digests, are not), 1 otherwise, 2 when
+    there was nothing to check: a verification that checked nothing is no success. In an
     object store, each is fetched (to a temporary folder) and checked as on a disk."""
     remote = is_url(path)
-    folders, single = remote_checkpoints_of(path) if remote else checkpoints_of(path)
+    folders, single = checkpoints_of(path)
+    if not folders:
+        raise UserError(f"verify error: no checkpoints in {path}: nothing to verify")
     counts = {"intact": 0, "damaged": 0, "unverified": 0, "incomplete": 0}
     with tempfile.TemporaryDirectory(prefix="dtrain-verify-") as into:
         for folder in folders:
@@ -147,12 +185,15 @@ def run(path: str, threads: int = 4) -> int:
                 continue
             counts[verdict] += 1
             print(f"{verdict:<10}  {folder}: {details}", flush=True)
-    if not folders:
-        print(f"no checkpoints in {path}")
     damaged = counts["damaged"] + (counts["incomplete"] if single else 0)
     shown = ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "incomplete")
     if len(folders) > 1:
         print(f"{len(folders)} checkpoints: {shown}")
+    if not damaged and not counts["intact"] + counts["unverified"]:
+        raise UserError(
+            f"verify error: no complete checkpoint in {path} (interrupted saves only, or "
+            f"removed meanwhile): nothing to verify"
+        )
     return 1 if damaged else 0
 
 
@@ -178,12 +219,12 @@ def main(args: argparse.Namespace) -> int:
             "verify error: name one run directory or checkpoint (PATH, --run-dir DIR or "
             "--checkpoint PATH)"
         )
-    if is_url(given[0]):
-        return run(given[0])
-    if args.checkpoint is not None and not os.path.exists(os.path.join(args.checkpoint, MARKER)):
+    if (
+        args.checkpoint is not None
+        and not is_url(args.checkpoint)
+        and not os.path.exists(os.path.join(args.checkpoint, MARKER))
+    ):
         if os.path.isdir(args.checkpoint):
             print(f"{'incomplete':<10}  {args.checkpoint}: no {MARKER} marker")
             return 1
-    if args.run is not None and not os.path.isdir(os.path.join(args.run, CHECKPOINTS)):
-        raise UserError(f"verify error: --run-dir {args.run}: no {CHECKPOINTS}/ folder there")
     return run(given[0])

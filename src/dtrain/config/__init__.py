@@ -393,6 +393,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def paths_and_overrides(words: list[str]) -> tuple[list[str], list[str]]:
+    """A command's words: the paths among them and the `section.key=value` overrides. A word is
+    a path when it has no '=', when a '/' comes before its first '=' (no key has one: a sweep's
+    trial runs/lr_sweep/lr=0.3, an s3:// URL), or when a file or folder of that name exists (the
+    trial lr=0.3 named from its sweep folder). So an override that is also a file's name here is
+    a path, never silently both; quoting its value makes it an override again (run.name='x')."""
+
+    def is_path(word: str) -> bool:
+        key, pair, _ = word.partition("=")
+        return not pair or "/" in key or os.path.exists(word)
+
+    return [w for w in words if is_path(w)], [w for w in words if not is_path(w)]
+
+
+def overrides_only(words: list[str], command: str, instead: str) -> list[str]:
+    """The overrides of a command that takes no path among them; a path is one line."""
+    paths, overrides = paths_and_overrides(words)
+    if paths:
+        raise UserError(
+            f"usage error: '{paths[0]}' is no section.key=value override (a word without '=', "
+            f"with a '/' before its '=' or naming an existing file is a path); dtrain {command} "
+            f"{instead}"
+        )
+    return overrides
+
+
 def set_dotted(data: dict, dotted: str, value: Any) -> None:
     node = data
     parts = dotted.split(".")

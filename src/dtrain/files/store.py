@@ -136,8 +136,9 @@ class RunDirLock:
     killed. The file names the holder, for the message a second launch gets.
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, shown: str | None = None) -> None:
         self.run_dir = run_dir
+        self.shown = shown or run_dir  # the run it keeps, for messages: a store's run by its URL
         self.path = os.path.join(run_dir, LOCK_FILE)
         self.fd: int | None = None
 
@@ -156,7 +157,7 @@ class RunDirLock:
             holder = _read_holder(fd)
             os.close(fd)
             raise UserError(
-                f"run error: the run directory {self.run_dir} is in use by another run "
+                f"run error: the run directory {self.shown} is in use by another run "
                 f"({holder}); wait for it to end, or give this run another run.name"
             ) from None
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

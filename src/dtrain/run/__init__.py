@@ -99,9 +99,10 @@ def claim_run_dir(
             remote.out.check()  # endpoint, bucket and credentials, before anything is written
         prepare_run_dir(cfg)
         check_run_dir_entries(cfg.run_dir)  # no link to write through, before the lock's file
+        if remote is not None:  # the lease first: a second launch hears of the run's holder
+            remote.lease.acquire(job)
         lock.acquire(job)
         if remote is not None:
-            remote.lease.acquire(job)
             remote.mirror.clear()
 
     dist.on_main(claim)
@@ -111,6 +112,7 @@ def claim_run_dir(
         return cfg.run_dir
     with remote.run.failing_as("read the records of"):
         remote.mirror.pull()
+    remote.claimed = True
     return cfg.run_dir
 
 
@@ -126,6 +128,9 @@ class RemoteRun:
         self.options = options
         self.lease = Lease(self.run)
         self.mirror = RecordMirror(cfg.run_dir, self.run, cfg.run.upload_every_s, rank)
+        # Whether this launch got the run: one refused (another run holds it) uploads nothing;
+        # its staging folder may hold records of an older attempt, or the other run's own.
+        self.claimed = False
 
     def store(self, run_dir: str) -> Store:
         store = RemoteStore(run_dir, self.run, self.options)
@@ -134,8 +139,10 @@ class RemoteRun:
 
     def close(self, answering: bool = True) -> None:
         """The last upload of the records, then the lease goes; neither when the store stopped
-        answering (the records stay in the staging folder, the lease lapses by itself)."""
-        self.mirror.stop(upload=answering)
+        answering (the records stay in the staging folder, the lease lapses by itself), and no
+        upload by a launch that never held the run (refused: the run is another's)."""
+        if self.claimed:
+            self.mirror.stop(upload=answering)
         self.lease.release(remove=answering)
 
 
@@ -185,7 +192,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     # The console from now on; the run directory's log files once the directory is this run's.
     setup_logging(dist.rank(), cfg.log.all_ranks)
     signals.install()
-    lock = RunDirLock(cfg.run_dir)
+    lock = RunDirLock(cfg.run_dir, shown=cfg.run_url)  # a staging folder: named as its run
     remote = RemoteRun(cfg, dist.rank()) if cfg.run_url else None
     record = records.RunRecord(
         cfg.run.out_dir,

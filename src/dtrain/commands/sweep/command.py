@@ -33,6 +33,7 @@ from dtrain.commands.sweep.folder import (
     write,
 )
 from dtrain.core.errors import UserError
+from dtrain.core.urls import is_url
 from dtrain.files.sweeps import VERSION
 from dtrain.observe import trackers
 
@@ -265,6 +266,11 @@ def main(args: argparse.Namespace) -> int:
     _check_options(args)
     words = sweep_space.parse_words(args.words, args.random is not None)
     base = config.load(args.config, words.fixed)
+    if is_url(base.run.out_dir):  # never a local folder named after the URL
+        raise UserError(
+            f"sweep error: run.out_dir {base.run.out_dir} is in an object store, where a sweep "
+            f"folder cannot be kept: give the sweep a local run.out_dir (shared, for --slurm)"
+        )
     name = args.name or default_name(args.config)
     if not name or name in (".", "..") or "/" in name:
         raise UserError(f"sweep error: --name {name!r} is not a plain directory name")
