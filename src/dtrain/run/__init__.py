@@ -18,9 +18,7 @@ from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
 from dtrain.files import names, outputs
-from dtrain.files.lease import Lease
-from dtrain.files.objstore import ObjectStore, StoreUnanswered
-from dtrain.files.remote_store import RemoteStore
+from dtrain.files.objstore import StoreUnanswered
 from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
 from dtrain.loop import optim
@@ -44,8 +42,8 @@ from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout, Steps
 from dtrain.run import records
-from dtrain.run.mirror import RecordMirror
 from dtrain.run.pieces import Pieces, build_pieces
+from dtrain.run.remote import RemoteRun
 from dtrain.run.weights import base_identity
 
 
@@ -114,36 +112,6 @@ def claim_run_dir(
         remote.mirror.pull()
     remote.claimed = True
     return cfg.run_dir
-
-
-class RemoteRun:
-    """A run whose directory is in an object store: the out_dir's prefix (runs.csv), the run's,
-    its lease and the mirror of its records."""
-
-    def __init__(self, cfg: Config, rank: int) -> None:
-        assert cfg.run_url is not None
-        options = dict(cfg.run.storage_options)
-        self.out = ObjectStore(cfg.run.out_dir, options, cfg.run.store_timeout_s)
-        self.run = self.out.child(cfg.run_name)
-        self.options = options
-        self.lease = Lease(self.run)
-        self.mirror = RecordMirror(cfg.run_dir, self.run, cfg.run.upload_every_s, rank)
-        # Whether this launch got the run: one refused (another run holds it) uploads nothing;
-        # its staging folder may hold records of an older attempt, or the other run's own.
-        self.claimed = False
-
-    def store(self, run_dir: str) -> Store:
-        store = RemoteStore(run_dir, self.run, self.options)
-        store.before_marker = self.mirror.sync  # the records up to a checkpoint, before it
-        return store
-
-    def close(self, answering: bool = True) -> None:
-        """The last upload of the records, then the lease goes; neither when the store stopped
-        answering (the records stay in the staging folder, the lease lapses by itself), and no
-        upload by a launch that never held the run (refused: the run is another's)."""
-        if self.claimed:
-            self.mirror.stop(upload=answering)
-        self.lease.release(remove=answering)
 
 
 def state_bytes(
