@@ -18,7 +18,9 @@ import time
 import traceback
 from collections.abc import Callable
 
+import dtrain
 from dtrain import config
+from dtrain.commands.tokenize import options as tokenize_options
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
 from dtrain.core.urls import redacted
 
@@ -30,11 +32,19 @@ WEIGHTS = ("model", "ema")
 WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema)"
 
 
-# Said by the commands that read runs and checkpoints (and write outputs) where they lie.
+# Said by the commands that read runs and checkpoints (and write outputs) where they lie: what
+# each takes that may be in an object store.
+IN_A_STORE = {
+    "eval": "A run directory or checkpoint",
+    "export": "A run directory, checkpoint or --out",
+    "verify": "A run directory or checkpoint",
+    "runs": "DIR or --out-dir",
+    "convert": "A checkpoint or --out",
+}
 STORE_PATHS = (
-    "A run directory, checkpoint or --out may be in an object store (s3://bucket/prefix, the "
-    "'s3' extra): the endpoint and credentials come from the environment as for every AWS "
-    "tool (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
+    " may be in an object store (s3://bucket/prefix, the 's3' extra): the endpoint and "
+    "credentials come from the environment as for every AWS tool (AWS_ENDPOINT_URL, "
+    "AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
 )
 
 
@@ -146,83 +156,6 @@ def _tokenize(args: argparse.Namespace) -> int:
     return tokenize.main(args)
 
 
-def _tokenize_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "inputs",
-        nargs="*",
-        metavar="INPUT",
-        help="UTF-8 .txt files, .jsonl files, parquet files, folders of them, or datasets "
-        "save_to_disk folders (of a DatasetDict: its train split, and for --val its "
-        "validation or test split); a document is a file, a JSON line or a row",
-    )
-    p.add_argument("--corpus", choices=("python_docs",), help="the built-in corpus instead")
-    p.add_argument("--out", metavar="DIR", required=True, help="where the shards go")
-    tokenizer = p.add_mutually_exclusive_group(required=True)
-    tokenizer.add_argument(
-        "--vocab-size", type=int, metavar="N", help="train a byte-level BPE of N tokens"
-    )
-    tokenizer.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="use this tokenizer.json, or a model's folder with one (its own tokenizer)",
-    )
-    held_out = p.add_mutually_exclusive_group()
-    held_out.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.1,
-        metavar="F",
-        help="hold out the last F of the token stream for validation (default 0.1)",
-    )
-    held_out.add_argument(
-        "--val", nargs="+", metavar="INPUT", help="validation inputs instead of a held-out part"
-    )
-    p.add_argument(
-        "--column",
-        help="the text field or column of .jsonl, parquet, datasets (default text; with --chat, "
-        "the messages: default messages)",
-    )
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help='conversations ({"messages": [{"role", "content"}, ...]} rows) rendered with the '
-        "--tokenizer MODEL_DIR's chat template; loss masks count the assistant's replies",
-    )
-    p.add_argument(
-        "--pack",
-        action="store_true",
-        help="pack whole documents into windows of --seq-len, attention never crossing from "
-        "one to another (--chat always packs)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=int,
-        metavar="N",
-        help="with --chat or --pack: the window documents are packed in, whole (default 256; "
-        "train with data.tokens.seq_len a multiple of it)",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        metavar="K",
-        help="encoding threads, at most the cores this process may use (default: all of them)",
-    )
-    p.add_argument(
-        "--render-timeout",
-        type=float,
-        metavar="S",
-        help="with --chat: the seconds rendering one conversation with the chat template may "
-        "take (default 10)",
-    )
-    p.add_argument(
-        "--eot",
-        metavar="TOKEN",
-        help="the end-of-text token (default <|endoftext|>; for --tokenizer, a folder's "
-        "eos_token, else the first it has of <|endoftext|>, <|end_of_text|>, </s>, <eos>)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace the shards already in --out")
-
-
 def _sweep_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (defaults apply without one)")
     p.add_argument(
@@ -256,7 +189,9 @@ def _sweep_options(p: argparse.ArgumentParser) -> None:
 
 def _with_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (defaults apply without one)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config keys, e.g. optim.lr=0.05"
+    )
 
 
 def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
@@ -268,7 +203,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         parser = argparse.ArgumentParser(
             prog=f"dtrain {name}",
             description=summary,
-            epilog=STORE_PATHS if name in ("eval", "export", "verify", "runs", "convert") else None,
+            epilog=IN_A_STORE[name] + STORE_PATHS if name in IN_A_STORE else None,
         )
         if name in ("eval", "export", "tokenize"):  # they read code that others may have named
             parser.add_argument(TRUST_SWITCH, action="store_true", help=TRUST_HELP)
@@ -284,7 +219,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p = command("plan", "what a config will do, before launching it", _plan)
     _with_config(p)
     p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument(
         "--memory-limit",
         metavar="SIZE",
@@ -298,7 +233,12 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         help="with --memory-limit: the largest value of this integer config key that fits "
         "(e.g. model.args.depth)",
     )
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="with --memory-limit: json for scripts (default text)",
+    )
     command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
     p = command(
         "eval",
@@ -318,7 +258,12 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="[DIR] section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="[DIR] section.key=value",
+        help="the run directory, and config keys over the run's (e.g. data.root=PATH)",
+    )
     p = command("export", "export a checkpoint's weights for use without dtrain", _export)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -386,7 +331,9 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument("--checkpoint", metavar="PATH", required=True, help="a checkpoint folder")
     p.add_argument("--to", metavar="FORMAT", required=True, help="full | sharded")
     p.add_argument("--out", metavar="DIR", required=True, help="the new checkpoint's folder")
-    _tokenize_options(command("tokenize", "text into token shards for data.name=tokens", _tokenize))
+    tokenize_options.add_options(
+        command("tokenize", "text into token shards for data.name=tokens", _tokenize)
+    )
     return commands
 
 
@@ -399,6 +346,7 @@ def _top_parser(
         "FSDP from a YAML config, under torchrun, SLURM or alone.",
         epilog="'dtrain COMMAND --help' describes a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"dtrain {dtrain.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (command_parser, _) in commands.items():
         sub.add_parser(name, help=command_parser.description, add_help=False)
