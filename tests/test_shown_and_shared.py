@@ -110,7 +110,7 @@ def lora_run(tmp_path_factory) -> Path:
 def test_every_file_dtrain_writes_follows_the_umask(terminal_run, lora_run, tmp_path, capsys,
                                                     mask) -> None:
     """Every export format (hf from a sharded checkpoint file by file, and from a full one
-    through transformers), a converted checkpoint, token files, and under the shared run's
+    through transformers), converted checkpoints (full and sharded), token files, and under the shared run's
     umask that run's records and checkpoints: 0666 less the umask, whatever the library writing
     them does."""
     cnn, _ = terminal_run
@@ -125,6 +125,8 @@ def test_every_file_dtrain_writes_follows_the_umask(terminal_run, lora_run, tmp_
         ["export", "--run-dir", str(lora_run), "--format", "hf", "--out", str(out / "hf_parts")],
         ["convert", "--checkpoint", str(checkpoint), "--to", "full", "--out", str(converted)],
         ["export", "--checkpoint", str(converted), "--format", "hf", "--out", str(out / "hf")],
+        ["convert", "--checkpoint", str(converted), "--to", "sharded", "--out",
+         str(out / "sharded")],
         ["tokenize", "--corpus", "python_docs", "--vocab-size", "300", "--val-fraction", "0.5",
          "--out", str(out / "tokens")],
     ]
@@ -141,7 +143,8 @@ def test_every_file_dtrain_writes_follows_the_umask(terminal_run, lora_run, tmp_
         assert any(name.endswith("checkpoint.pt") for name in found)
     for name in ("hf/model.safetensors", "hf_parts/model.safetensors",
                  "peft/adapter_model.safetensors", "cnn.safetensors", "st/model.safetensors",
-                 "cnn.onnx", "converted/checkpoint.pt", "tokens/train.bin"):
+                 "cnn.onnx", "converted/checkpoint.pt", "sharded/meta.pt", "sharded/dcp/.metadata",
+                 "tokens/train.bin"):
         assert name in found, sorted(found)
     assert {name: oct(m) for name, m in found.items() if m != 0o666 & ~mask} == {}
 
