@@ -82,5 +82,5 @@ def aligned(header: list[str], rows: list[list[str]], droppable: list[int], rest
         text = lines()
     if dropped:
         names = ", ".join(header[i] for i in dropped)
-        text.append(f"(not shown, to fit {COLUMNS} columns: {names}; {rest})")
+        text += fitted(f"not shown, to fit {COLUMNS} columns: {names}; {rest}", COLUMNS)
     return text
