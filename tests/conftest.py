@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -92,6 +93,16 @@ class Result:
 
     def evals(self) -> list[dict]:
         return [r for r in self.records() if "val_acc" in r]
+
+
+# A log line's timestamp, as a pattern.
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+
+
+def unwrapped(text: str) -> str:
+    """Log text with each line that was cut to fit the console (an indented line after the
+    timestamp) joined back to the one it continues."""
+    return re.sub(r"\n" + STAMP + r"(?:\[rank \d+\] )?  (?=\S)", " ", text)
 
 
 def torchrun_cmd(nproc: int, nnodes: int = 1, extra: Optional[list] = None) -> list[str]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, TRAIN, child_env, free_port, kill_tree
+from conftest import REPO, TINY, TRAIN, child_env, free_port, kill_tree, unwrapped
 from test_multinode import (CONFIG, HOSTS_SH, bridge_s3,  # noqa: F401 - the module's fixtures
                             hosts)
 
@@ -227,7 +227,8 @@ def test_node_lost_then_rejoined_continues_elastically(hosts, bridge_s3, tmp_pat
         to_next_step = time.monotonic() - killed
         log = run.text("log.txt")
         assert "world size changed from 2 to 1" in log, log[-3000:]
-        startups = re.findall(r"start-up: .*\((\d+\.\d+) s since the process started\)", log)
+        startups = re.findall(r"start-up: .*\((\d+\.\d+) s since the process started\)",
+                              unwrapped(log))
         startup = float(startups[-1])
         one = next(r for r in records(run) if r.get("world_size") == 1)
         assert one["world_size_from"] == 2 and one["step"] == lost_at + 1, one

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch
+from conftest import launch, unwrapped
 
 QUIET = ["model.name=user_code:counting_cnn", "model.args={width: 8}", "train.max_steps=14",
          "train.log_every=1000", "train.check_every_steps=1000", "train.eval_every_epochs=0",
@@ -77,7 +77,7 @@ def test_start_up_says_where_its_time_goes(tmp_path) -> None:
     line = re.search(r"start-up: imports ([\d.]+) s, process group ([\d.]+) s, data ([\d.]+) s, "
                      r"model and wrap ([\d.]+) s, task check ([\d.]+) s, run directory and resume "
                      r"([\d.]+) s, first step ([\d.]+) s \(([\d.]+) s since the process started\)",
-                     result.stderr)
+                     unwrapped(result.stderr))
     assert line, result.stderr[-2000:]
     phases = [float(x) for x in line.groups()]
     assert abs(sum(phases[:-1]) - phases[-1]) < 0.05 and phases[-1] < 60

@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import dtrain
 from dtrain import config
 from dtrain.commands.tokenize import options as tokenize_options
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
@@ -32,11 +33,19 @@ WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema
 TAKES_CONFIG = "takes its config as --config PATH"
 
 
-# Said by the commands that read runs and checkpoints (and write outputs) where they lie.
+# Said by the commands that read runs and checkpoints (and write outputs) where they lie: what
+# each takes that may be in an object store.
+IN_A_STORE = {
+    "eval": "A run directory or checkpoint",
+    "export": "A run directory, checkpoint or --out",
+    "verify": "A run directory or checkpoint",
+    "runs": "DIR or --out-dir",
+    "convert": "A checkpoint or --out",
+}
 STORE_PATHS = (
-    "A run directory, checkpoint or --out may be in an object store (s3://bucket/prefix, the "
-    "'s3' extra): the endpoint and credentials come from the environment as for every AWS "
-    "tool (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
+    " may be in an object store (s3://bucket/prefix, the 's3' extra): the endpoint and "
+    "credentials come from the environment as for every AWS tool (AWS_ENDPOINT_URL, "
+    "AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
 )
 
 
@@ -184,7 +193,9 @@ def _sweep_options(p: argparse.ArgumentParser) -> None:
 
 def _with_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (defaults apply without one)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config keys, e.g. optim.lr=0.05"
+    )
 
 
 def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
@@ -196,7 +207,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         parser = argparse.ArgumentParser(
             prog=f"dtrain {name}",
             description=summary,
-            epilog=STORE_PATHS if name in ("eval", "export", "verify", "runs", "convert") else None,
+            epilog=IN_A_STORE[name] + STORE_PATHS if name in IN_A_STORE else None,
         )
         if name in ("eval", "export", "tokenize"):  # they read code that others may have named
             parser.add_argument(TRUST_SWITCH, action="store_true", help=TRUST_HELP)
@@ -212,7 +223,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p = command("plan", "what a config will do, before launching it", _plan)
     _with_config(p)
     p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument(
         "--memory-limit",
         metavar="SIZE",
@@ -226,7 +237,12 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
         help="with --memory-limit: the largest value of this integer config key that fits "
         "(e.g. model.args.depth)",
     )
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="with --memory-limit: json for scripts (default text)",
+    )
     command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
     p = command(
         "eval",
@@ -246,7 +262,12 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="[DIR] section.key=value")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="[DIR] section.key=value",
+        help="the run directory, and config keys over the run's (e.g. data.root=PATH)",
+    )
     p = command("export", "export a checkpoint's weights for use without dtrain", _export)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -314,8 +335,9 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     p.add_argument("--checkpoint", metavar="PATH", required=True, help="a checkpoint folder")
     p.add_argument("--to", metavar="FORMAT", required=True, help="full | sharded")
     p.add_argument("--out", metavar="DIR", required=True, help="the new checkpoint's folder")
-    tokenize = command("tokenize", "text into token shards for data.name=tokens", _tokenize)
-    tokenize_options.add(tokenize)
+    tokenize_options.add_options(
+        command("tokenize", "text into token shards for data.name=tokens", _tokenize)
+    )
     return commands
 
 
@@ -328,6 +350,7 @@ def _top_parser(
         "FSDP from a YAML config, under torchrun, SLURM or alone.",
         epilog="'dtrain COMMAND --help' describes a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"dtrain {dtrain.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (command_parser, _) in commands.items():
         sub.add_parser(name, help=command_parser.description, add_help=False)

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from dtrain.core.columns import aligned
 from dtrain.core.errors import UserError
 from dtrain.core.monitor import best_first, improves
 from dtrain.files import metrics as metrics_file
@@ -281,11 +282,9 @@ def _table(keys: list[str], rows: list[dict[str, Any]], folder: str) -> str:
         wall = row["wall_time_s"]
         cells.append("-" if wall is None else clock(wall, always_hours=True))
         lines.append(cells)
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *lines]
-    ]
+    # Past the width of a terminal, the keys that differ go first (the last first), then wall.
+    droppable = [*range(len(keys), 0, -1), len(header) - 1]
+    text = aligned(header, lines, droppable, "--format csv has them")
     text += [f"{row['name']}: {row['error']}" for row in rows if row["error"]]
     return "\n".join(text)
 

@@ -8,6 +8,8 @@ import logging.handlers
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from dtrain.core.columns import fitted
+
 if TYPE_CHECKING:
     from dtrain.observe.progress import Progress
 
@@ -30,6 +32,12 @@ def setup_logging(rank: int, all_ranks: bool) -> None:
     early = logging.handlers.MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
     early.setFormatter(fmt)
     log.addHandler(early)
+
+
+def log_fitted(text: str) -> None:
+    """Log `text` as the lines `fitted` cuts it into."""
+    for line in fitted(text):
+        log.info(line)
 
 
 def attach_log_files(path: str) -> None:

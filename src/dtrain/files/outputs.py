@@ -59,6 +59,29 @@ def staged(folder: str, command: str) -> Iterator[str]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def ordinary_mode() -> int:
+    """The mode the user's umask gives a new ordinary file (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def as_ordinary_files(path: str) -> None:
+    """Give the file at `path` (for a folder, each file in it) the mode the user's umask gives
+    an ordinary file. safetensors creates its files readable by their owner only, and so do the
+    libraries that write through it (transformers', peft's save_pretrained): an output handed on
+    to others is readable as the user's other files are. Called where a library has written,
+    before any file copied from elsewhere joins it (a copy is readable by no more than its
+    original)."""
+    mode = ordinary_mode()
+    if not os.path.isdir(path):
+        os.chmod(path, mode)
+        return
+    for name in os.listdir(path):
+        if os.path.isfile(os.path.join(path, name)):
+            os.chmod(os.path.join(path, name), mode)
+
+
 def what_is_at(path: str) -> str | None:
     """What is at `path`, as messages name it ('a symbolic link to T', dangling or not; 'a
     folder'; 'a file'), or None when nothing is there."""

@@ -36,7 +36,7 @@ from typing import Any
 
 from dtrain.core.errors import CheckpointError, UserError, first_line
 from dtrain.core.logs import log
-from dtrain.core.monitor import best_first
+from dtrain.core.monitor import best_order
 from dtrain.files import names
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
 from dtrain.files.objstore import TIMEOUT_S
@@ -336,10 +336,10 @@ class Store:
         """Keep the `keep_last` last saved and the `keep_best` best complete checkpoints."""
         entries = self.complete()
         keep = {e.name for e in entries[:keep_last]}
-        metrics = [(e.metric(monitor), e.name) for e in entries]
-        scored = [(v, n) for v, n in metrics if v is not None and math.isfinite(v)]
-        scored.sort(key=lambda item: best_first(mode) * item[0])
-        keep.update(n for _, n in scored[:keep_best])
+        metrics = [(e.metric(monitor), e) for e in entries]
+        scored = [(v, e) for v, e in metrics if v is not None and math.isfinite(v)]
+        scored.sort(key=lambda item: best_order(item[0], item[1].step, mode))
+        keep.update(e.name for _, e in scored[:keep_best])
         for entry in entries:
             if entry.name not in keep:
                 self.delete(entry)
@@ -352,7 +352,7 @@ class Store:
         scored = [(v, e) for v, e in metrics if v is not None and math.isfinite(v)]
         if not scored:
             return None
-        return min(scored, key=lambda item: best_first(mode) * item[0])[1]
+        return min(scored, key=lambda item: best_order(item[0], item[1].step, mode))[1]
 
     def supersede(self, entries: list[Entry], reason: str, records: bool = False) -> str | None:
         """Move `entries` (and with `records`, the run's metrics and TensorBoard events) out of

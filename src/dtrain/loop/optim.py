@@ -58,12 +58,14 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> str:
-    """For the banner: the groups' sizes and weight decay."""
-    parts = []
+    """For the banner: the parameters by weight decay (groups that differ in nothing else that
+    is shown, as both are with optim.weight_decay 0, are said as one)."""
+    counts: dict[float, int] = {}
     for group in optimizer.param_groups:
-        count = sum(p.numel() for p in group["params"])
-        parts.append(f"{count:,} parameters with weight decay {group.get('weight_decay', 0):g}")
-    return "optimizer groups: " + "; ".join(parts)
+        decay = group.get("weight_decay", 0)
+        counts[decay] = counts.get(decay, 0) + sum(p.numel() for p in group["params"])
+    parts = [f"{count:,} parameters with weight decay {decay:g}" for decay, count in counts.items()]
+    return ("optimizer groups: " if len(parts) > 1 else "optimizer: ") + "; ".join(parts)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -22,9 +22,13 @@ class Progress:
     REDRAW_S = 0.1
     BAR_WIDTH = 24
 
-    def __init__(self, stream: TextIO, style: str, every_s: float) -> None:
+    def __init__(self, stream: TextIO, style: str, every_s: float, shown: bool = True) -> None:
+        """`shown`: False where this process shows nothing of training (ranks but 0, whose
+        console is often rank 0's terminal: a bar of theirs there is one that rank 0's lines
+        do not erase)."""
         self.stream = stream
-        self.bar = style == "bar" or (style == "auto" and stream.isatty())
+        self.shown = shown
+        self.bar = shown and (style == "bar" or (style == "auto" and stream.isatty()))
         self.every_s = every_s
         self.last_line = time.monotonic()
         self.last_draw = 0.0
@@ -79,7 +83,7 @@ class Progress:
 
     def line_due(self) -> bool:
         """Whether a plain-lines console owes a line: log.every_s passed without one."""
-        return not self.bar and time.monotonic() - self.last_line >= self.every_s
+        return self.shown and not self.bar and time.monotonic() - self.last_line >= self.every_s
 
     def _render(self, done: int, record: dict[str, Any], now: float) -> None:
         self.last_draw, self.shown_done = now, done

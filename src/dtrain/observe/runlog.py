@@ -34,7 +34,9 @@ class RunLog:
         sinks: Sequence[Sink] | None = None,
     ) -> None:
         self.cfg, self.is_main = cfg, is_main
-        self.progress = Progress(sys.stderr, cfg.log.progress, cfg.log.every_s)
+        # With every rank on the console, their lines would run into rank 0's bar: lines then.
+        style = "lines" if cfg.log.all_ranks else cfg.log.progress
+        self.progress = Progress(sys.stderr, style, cfg.log.every_s, shown=is_main)
         self.sinks: list[Sink] = []
         self._session_started = False
         if is_main:

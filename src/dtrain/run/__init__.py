@@ -17,6 +17,7 @@ from dtrain import checkpoint, data, models
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
+from dtrain.core.logs import log_fitted
 from dtrain.files import names, outputs
 from dtrain.files.objstore import StoreUnanswered
 from dtrain.files.resume_policy import is_length_change
@@ -300,7 +301,7 @@ def _train(
 
     def first_step() -> dict[str, Any]:
         clock.mark("first step")
-        log.info(clock.line())
+        log_fitted(clock.line())
         return {**world, **_log_state_bytes(model, optimizer, ema)}
 
     callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
@@ -438,7 +439,7 @@ def _log_state_bytes(
 ) -> dict[str, int]:
     sizes = state_bytes(model, optimizer, ema)
     mib = {k: v / 2**20 for k, v in sizes.items()}
-    log.info(
+    log_fitted(
         f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
         f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
         f"{mib['unsharded']:.2f} MiB"
@@ -453,11 +454,13 @@ def _banner(
     source = f"resumed from {resumed.path} at step {resumed.step}" if resumed else "fresh start"
     if resumed and resumed.world_size != world:
         source += f" (world size {resumed.world_size} -> {world})"
-    log.info(
+    # The mode that runs: a single process wraps the model in nothing, whatever the config says.
+    mode = layout.mode if layout.mode == cfg.parallel.mode else f"{layout.mode} (one process)"
+    log_fitted(
         f"dtrain | {layout.env.describe()} | device {layout.device} | backend "
-        f"{layout.backend or 'none'} | mode {cfg.parallel.mode} | precision {cfg.train.precision}"
+        f"{layout.backend or 'none'} | mode {mode} | precision {cfg.train.precision}"
     )
-    log.info(
+    log_fitted(
         f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
         f"{cfg.task.name} | data {cfg.data.name} | effective batch {layout.effective_batch} = "
         f"{layout.batch_size} per rank x {world} rank(s) x {layout.grad_accum} "
@@ -466,5 +469,5 @@ def _banner(
     if cfg.model.trust_remote_code:
         log.info("model.trust_remote_code on: the model folder's own code (auto_map) may run")
     for note in pieces.notes:
-        log.info(note)
-    log.info(f"run directory {run_dir} | {source}")
+        log_fitted(note)
+    log_fitted(f"run directory {run_dir} | {source}")

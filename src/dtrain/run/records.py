@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from dtrain.config import CkptConfig, Config, to_dict
+from dtrain.core.columns import aligned
 from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
 from dtrain.files.objstore import ObjectStore, StoreUnanswered, is_url, join
@@ -55,6 +56,8 @@ SHOWN = (
     ("git_commit", "commit"),
     ("config_hash", "config"),
 )
+# What the table leaves out first where it would be wider than a terminal.
+DROPPED = ("config", "commit", "batch", "lr", "optim", "model", "world", "started")
 
 
 def config_hash(cfg: Config) -> str:
@@ -297,19 +300,17 @@ def table(out_dir: str) -> str:
         )
         best = row.get("best_checkpoint") or ""
         if best.startswith(out_dir.rstrip("/") + "/"):  # relative to out_dir: a narrow table
-            shown["best_checkpoint"] = best[len(out_dir.rstrip("/")) + 1 :]
+            best = best[len(out_dir.rstrip("/")) + 1 :]
         elif best and not is_url(best):
-            shown["best_checkpoint"] = os.path.relpath(best, out_dir)
+            best = os.path.relpath(best, out_dir)
+        # one of the run's own checkpoints: its name (the row names the run)
+        shown["best_checkpoint"] = best.removeprefix(f"{row.get('name')}/{names.CHECKPOINTS}/")
         shown["git_commit"] = (row.get("git_commit") or "")[:10] + (
             "-dirty" if (row.get("git_commit") or "").endswith("-dirty") else ""
         )
         lines.append([shown.get(key) or "-" for key, _ in SHOWN])
     header = [title for _, title in SHOWN]
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)).rstrip()
-        for r in [header, *lines]
-    ]
+    text = aligned(header, lines, [header.index(title) for title in DROPPED], f"{FILE} has them")
     failed = [row for row in rows.values() if row.get("status") == "failed" and row.get("error")]
     text += [f"{row['name']}: {row['error']}" for row in failed]
     return "\n".join(text)

@@ -18,6 +18,7 @@ from torch import nn
 from dtrain import config
 from dtrain.commands.export.check import TOLERANCE, difference, report
 from dtrain.core.errors import UserError
+from dtrain.files import outputs
 from dtrain.models import hf
 
 SHARD_SIZE = "2GB"  # each safetensors file at most this much (transformers 4's default)
@@ -140,6 +141,7 @@ def export(
     source = hf.resolve(cfg.model.name)
     restore_use_cache(model, source)
     model.save_pretrained(out, max_shard_size=shard_size)
+    outputs.as_ordinary_files(out)
     copied = copy_tokenizer(source, out)
     transformers = hf.library("dtrain export --format hf")
     reloaded = getattr(transformers, type(model).__name__).from_pretrained(

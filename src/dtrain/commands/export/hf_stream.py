@@ -39,6 +39,7 @@ from dtrain.commands.export.hf_folder import (
 )
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
+from dtrain.files import outputs
 from dtrain.models import hf, lora
 
 WEIGHTS_FILE, INDEX_FILE = hf.WEIGHTS_FILE, hf.WEIGHTS_INDEX
@@ -119,6 +120,7 @@ def export(source: Source, meta: dict, what: str, out: str, limit: int) -> tuple
         tensors = {n: t.contiguous() for n, t in part.items()}
         path = os.path.join(out, file)
         safetensors.save_file(tensors, path, metadata={"format": "pt"})
+        outputs.as_ordinary_files(path)
         with open(path, "rb") as written:  # on disk before the next file is read
             os.fsync(written.fileno())
         largest = max(largest, _read_back(path, tensors))

@@ -17,6 +17,7 @@ from torch import nn
 from dtrain import config, tasks
 from dtrain.commands.export.check import TOLERANCE, difference, report
 from dtrain.core.errors import UserError
+from dtrain.files import outputs
 from dtrain.models import lora
 from dtrain.run.weights import base_model
 
@@ -34,6 +35,7 @@ def export(module: nn.Module, meta: dict, path: str, out: str, example: Any) -> 
     """Write the folder `out` (a new one), load it onto the base as a user would, compare."""
     model: Any = module  # a peft PeftModel (models.lora's)
     model.save_pretrained(out)
+    outputs.as_ordinary_files(out)
     cfg = config.from_dict(meta["config"])
     base = base_model(cfg, meta["model_info"])
     reloaded = lora.library("dtrain export --format peft").PeftModel.from_pretrained(base, out)

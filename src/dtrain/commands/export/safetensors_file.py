@@ -25,7 +25,7 @@ from torch import nn
 import dtrain
 from dtrain import config, models
 from dtrain.commands.export.check import CheckFailed, difference, discard, report
-from dtrain.files import names
+from dtrain.files import names, outputs
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = names.CONFIG
@@ -63,11 +63,7 @@ def export(
         "metrics": json.dumps(meta.get("metrics") or {}, default=str),
     }
     save_file(tensors, file, metadata=metadata)
-    # safetensors creates the file readable by its owner only; a file to hand on is readable as
-    # the user's other files are (the umask says how).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(file, 0o666 & ~umask)
+    outputs.as_ordinary_files(file)
     with open(config_file, "w", encoding="utf-8") as f:
         f.write(config.dump(cfg))
     reloaded = load(file, config_file)

@@ -1,12 +1,13 @@
-"""The command line of `dtrain tokenize`: its arguments and their help (the parser is cli.py's)."""
+"""`dtrain tokenize`'s command line (the parser is built for every command: nothing here imports
+more than argparse)."""
 
 from __future__ import annotations
 
 import argparse
 
 
-def add(p: argparse.ArgumentParser) -> None:
-    """`dtrain tokenize`'s arguments, on its parser."""
+def add_options(p: argparse.ArgumentParser) -> None:
+    """`dtrain tokenize`'s options, on its parser."""
     p.add_argument(
         "inputs",
         nargs="*",
