@@ -267,3 +267,100 @@ def test_export_round_trip(finished, tmp_path, capsys) -> None:
     scripted = torch.jit.load(str(tmp_path / "model.torchscript"))
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(scripted(x), model.eval()(x))
+
+
+# -- a relaunch with another model: refused, the run as it was ----------------------------------
+
+def files_of(out_dir: Path) -> dict[str, str]:
+    """Every file of `out_dir` (its runs.csv, each run's checkpoints, records, config.yaml)
+    by its digest; what each launch writes of itself (its log, the holder in the lock) left out."""
+    import hashlib
+    return {str(p.relative_to(out_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out_dir.rglob("*"))
+            if p.is_file() and not p.name.startswith("log") and p.name != ".lock"}
+
+
+USER_CNN = ["model.name=user_code:cnn_of_this_code", "model.args={}", "train.max_steps=4",
+            "ckpt.every_steps=2", "train.eval_every_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def finished_user_cnn(tmp_path_factory) -> Path:
+    """A finished run of a user's model (`tests/user_code.py`) built without model.args."""
+    run_dir = tmp_path_factory.mktemp("user_cnn") / "runs" / "run"
+    result = launch(run_dir, USER_CNN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+GPT = ["task.name=language_model", "model.name=gpt", "model.args={dim: 32, depth: 2, heads: 2}",
+       "data.name=text", "data.text.corpus=python_docs", "data.text.seq_len=32",
+       "data.batch_size=8", "optim.name=adamw", "optim.lr=0.003", "ckpt.monitor=val_loss",
+       "ckpt.monitor_mode=min", "train.eval_every_epochs=0", "train.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def finished_gpt(tmp_path_factory) -> Path:
+    """A finished full training of the built-in gpt."""
+    run_dir = tmp_path_factory.mktemp("gpt") / "runs" / "run"
+    result = launch(run_dir, GPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+FINISHED = ["train.max_steps=12", "ckpt.every_steps=4", "train.eval_every_steps=8", "ckpt.keep_last=5"]
+
+
+@pytest.mark.parametrize("base,overrides,env,expected", [
+    # The built-in CNN made wider: its weights do not fit, and the line says which key did it.
+    ("finished", [*FINISHED, "model.args={width: 32}"], None,
+     ["checkpoint is from a different model: features.0.0.weight has shape [8, 3, 3, 3] there, "
+      "[32, 3, 3, 3] here", "the config changed: model.args.width: 8 -> 32",
+      "start anew with another run.name"]),
+    # A model.args entry the first launch did not have: a key on one side only is a change.
+    ("user", [*USER_CNN, "model.args={width: 8}"], None,
+     ["trains something else (model.args.width: absent -> 8)", "ckpt.resume_config_change=allow"]),
+    ("user", [*USER_CNN, "model.args={width: 16}"], None,
+     ["checkpoint is from a different model", "the config changed: model.args.width: absent -> 16"]),
+    # Allowing config changes does not make another model's weights fit.
+    ("user", [*USER_CNN, "model.args={width: 16}", "ckpt.resume_config_change=allow"], None,
+     ["checkpoint is from a different model", "the config changed: model.args.width: absent -> 16"]),
+    # LoRA switched on: a checkpoint of the whole model is not one of adapters.
+    ("gpt", [*GPT, "model.lora.r=8"], None,
+     ["checkpoint is from a different model", "the config changed: model.lora.r: None -> 8"]),
+    # The model's code changed between the launches, its config did not.
+    ("user", USER_CNN, {"CNN_EXTRA_LAYER": "1"},
+     ["checkpoint is from a different model: 2 key(s) missing (e.g. ['extra.bias', 'extra.weight'])",
+      "(its code changed, not the config)", "start anew with another run.name"]),
+], ids=["wider_builtin", "new_args_entry", "new_args_entry_misfit", "misfit_allowed", "lora_on",
+                         "code_changed"])
+def test_a_changed_model_is_refused_and_the_run_kept_as_it_was(request, tmp_path, base, overrides,
+                                                                env, expected) -> None:
+    source = request.getfixturevalue({"user": "finished_user_cnn", "gpt": "finished_gpt"}.get(base, base))
+    run_dir = copy_run(source, tmp_path / "runs" / "run")
+    (tmp_path / "runs" / "runs.csv").write_bytes((source.parent / "runs.csv").read_bytes())
+    before = files_of(tmp_path / "runs")
+    result = launch(run_dir, overrides, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"dtrain: checkpoint error: {latest(run_dir)}"), line
+    for part in expected:
+        assert part in line, line
+    assert "unusable" not in result.stderr and "Traceback" not in result.stderr
+    assert files_of(tmp_path / "runs") == before  # nothing moved, rewritten or added
+    assert not (run_dir / "superseded").exists()
+
+
+@pytest.mark.parametrize("saved,current,expected", [
+    # An entry of a free-form section on one side only (data.hf.columns maps names).
+    ({"data": {"hf": {"columns": {}}}}, {"data": {"hf": {"columns": {"text": "body"}}}},
+     ["data.hf.columns.text: absent -> 'body'"]),
+    # A section the saved config lacks (written before it existed) counts at its default ...
+    ({"model": {"name": "gpt"}}, {"model": {"name": "gpt", "lora": {"r": 8, "alpha": 16.0}}},
+     ["model.lora.r: None -> 8"]),
+    # ... so that a section left at its default is no change.
+    ({"model": {"name": "gpt"}}, {"model": {"name": "gpt", "lora": {"r": None}}}, []),
+], ids=["free_form_entry", "section_switched_on", "section_at_default"])
+def test_a_key_on_one_side_only_is_a_training_difference(saved, current, expected) -> None:
+    from dtrain.files.resume_policy import training_differences
+    assert training_differences(saved, current) == expected

@@ -125,3 +125,29 @@ def test_changed_optimizer_is_still_refused_beside_a_length_change(short_cosine:
     assert "optim.name: 'sgd' -> 'adamw'" in line and "train.max_steps" not in line, line
     assert "ckpt.resume_config_change=allow" in line
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing trained, nothing lost
+
+
+@pytest.mark.parametrize("base,length,asked,step,epoch", [
+    ("short", ["train.max_steps=4"], "train.epochs=4, train.max_steps=4", 8, 1),
+    ("straight", ["train.epochs=1"], "train.epochs=1", 16, 2),
+], ids=["fewer_steps", "fewer_epochs"])
+def test_a_relaunch_past_its_length_trains_nothing_and_rewrites_nothing(
+        short_cosine: Path, cosine_runs, tmp_path: Path, base: str, length: list[str], asked: str,
+        step: int, epoch: int) -> None:
+    """A finished run (8 steps; 16, two epochs) asked for a shorter one: nothing trains, and its
+    config.yaml and its runs.csv row still say what its checkpoints trained."""
+    source = short_cosine if base == "short" else cosine_runs["straight"].run_dir
+    run_dir = tmp_path / "runs" / source.name
+    shutil.copytree(source, run_dir)
+    shutil.copy(source.parent / "runs.csv", run_dir.parent / "runs.csv")
+    kept = {path: path.read_bytes() for path in
+            (run_dir / "config.yaml", run_dir.parent / "runs.csv", run_dir / "metrics.jsonl")}
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    relaunch = launch(run_dir, [*COSINE, *length])
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert (f"{run_dir} is already at or past the asked length ({asked}): it trained to step "
+            f"{step}, epoch {epoch}; nothing to train, and its config.yaml and record are "
+            f"unchanged") in relaunch.stderr
+    for path, content in kept.items():
+        assert path.read_bytes() == content, path
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints

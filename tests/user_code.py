@@ -234,3 +234,12 @@ class Bigram(nn.Module):
 
 def bigram(cfg) -> nn.Module:
     return Bigram(**dict(cfg.args))
+
+
+def cnn_of_this_code(cfg) -> nn.Module:
+    """SimpleCNN (width 8 unless model.args says otherwise) whose code changes between launches
+    while its config does not: with $CNN_EXTRA_LAYER set it has one more layer."""
+    model = SimpleCNN(num_classes=10, in_channels=3, width=cfg.args.get("width", 8))
+    if os.environ.get("CNN_EXTRA_LAYER"):
+        model.extra = nn.Linear(2, 2)
+    return model

@@ -409,9 +409,10 @@ class Checkpointer:
 
     def _try_load(self, path: str) -> str | None:
         """Load the checkpoint at `path` on every rank; None on success, else the reason. Every
-        rank reaches the same verdict. A config that trains something else (exit 2), or a store
-        that does not answer (exit 1: nothing is known of the checkpoint, least of all that it
-        is damaged), is not a reason to try an older checkpoint: it ends the start."""
+        rank reaches the same verdict. A config or a model that trains something else (exit 2,
+        a ModelMismatch too: a checkpoint that reads back whole is not damaged), a crafted name,
+        or a store that does not answer (exit 1: nothing is known of the checkpoint, least of
+        all that it is damaged), is not a reason to try an older checkpoint: it ends the start."""
         problem = None
         try:
             self._load(path)
@@ -431,26 +432,26 @@ class Checkpointer:
         local = local_folder(path, self._fetched, self.store.options, self.store.timeout_s)
         shown = path.rstrip("/") if is_url(path) else None
 
-        def read() -> tuple[str, str, dict[str, Any]]:
+        def read() -> tuple[str, str, dict[str, Any], str | None]:
             folder, fmt = open_checkpoint(local)
-            named = shown or folder
             if fmt == "full":  # verified against the marker's digest before it is applied
                 data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
                 meta = {k: v for k, v in data.items() if k not in ("model", "optimizer", "ema")}
-                self._check_shapes(named, {k: tuple(v.shape) for k, v in data["model"].items()})
+                saved = {k: tuple(v.shape) for k, v in data["model"].items()}
                 self._full_data = data  # kept on rank 0 only; the others receive what they need
             else:
                 meta = ckpt_state.load_checked(os.path.join(folder, META_FILE))
-                self._check_shapes(named, ckpt_state.dcp_model_shapes(folder))
-            return folder, fmt, meta
+                saved = ckpt_state.dcp_model_shapes(folder)
+            # A checkpoint of another model is refused before anything is loaded into this one.
+            return folder, fmt, meta, ckpt_state.shape_mismatch(self._shapes, saved)
 
         try:
-            folder, fmt, meta = dist.on_main(read)
+            folder, fmt, meta, misfit = dist.on_main(read)
             folder = local if shown else folder
-            check_base(meta["model_info"], self.model_info, shown or folder)
             self.config_changes = check_config(
-                meta.get("config", {}), self.config, self.ckpt, shown or folder
+                meta.get("config", {}), self.config, self.ckpt, shown or folder, misfit
             )
+            check_base(meta["model_info"], self.model_info, shown or folder)
             # The average is read with the rest and taken only after the rest was applied.
             ema = self.ema.staging(folder, fmt, self._full_data, self.device) if self.ema else None
             if fmt == "full":
@@ -466,12 +467,6 @@ class Checkpointer:
         finally:
             self._full_data = None
         self._restore_meta(meta, shown or folder)
-
-    def _check_shapes(self, folder: str, saved: dict[str, tuple[int, ...]]) -> None:
-        """Refuse a checkpoint of another model before anything is loaded into this one."""
-        problem = ckpt_state.shape_mismatch(self._shapes, saved)
-        if problem:
-            raise UserError(f"checkpoint error: {folder}: {problem}")
 
     def _restore_meta(self, meta: dict[str, Any], folder: str) -> None:
         saved_world = meta["world_size"]

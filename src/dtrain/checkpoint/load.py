@@ -50,19 +50,37 @@ class ConfigChanged(UserError):
     to fall back from, but a question for the user."""
 
 
+class ModelMismatch(ConfigChanged):
+    """The checkpoint reads back whole, but its weights do not fit this run's model (keys or
+    shapes): a changed config or changed model code built another model. Not damage (that is
+    what digests and markers prove): nothing is set aside, and no config change makes it load."""
+
+
 def check_config(
-    saved: dict[str, Any], config: dict[str, Any], ckpt: CkptConfig, folder: str
+    saved: dict[str, Any],
+    config: dict[str, Any],
+    ckpt: CkptConfig,
+    folder: str,
+    misfit: str | None = None,
 ) -> list[str]:
     """The training keys `config` changed since the checkpoint's `saved` config (all of them,
     length changes included); ConfigChanged unless only the run's length changed or the user
-    allows changes (ckpt.resume_config_change=allow)."""
+    allows changes (ckpt.resume_config_change=allow). `misfit` says why the checkpoint's
+    weights do not fit this run's model (`state.shape_mismatch`): ModelMismatch, naming the
+    changed keys, allowed or not."""
     every = training_differences(saved, config)
     # A longer or shorter run trains the same thing: the run applies it (and says what the
     # schedule does, ckpt.on_length_change); only the other changes need `allow`.
     changes = [c for c in every if not is_length_change(c)]
+    shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+    if misfit:
+        cause = f"the config changed: {shown}" if changes else "its code changed, not the config"
+        raise ModelMismatch(
+            f"checkpoint error: {folder}: {misfit} ({cause}); this model cannot continue it: "
+            f"start anew with another run.name (or ckpt.resume=none)"
+        )
     if not changes:
         return every
-    shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
     if ckpt.resume_config_change != "allow":
         raise ConfigChanged(
             f"checkpoint error: {folder} was saved by a config that trains "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtrain.config import flatten
+from dtrain.config import Config, flatten, to_dict
 
 # Keys that do not change what a run trains: where it runs and writes, how it logs, checkpoints
 # and communicates, and how fast its data loads. A resumed run may change them freely; any other
@@ -53,10 +53,38 @@ def is_length_change(change: str) -> bool:
 
 
 def training_differences(saved: dict, current: dict) -> list[str]:
-    """'key: old -> new' for every training key that both configs have and that differs."""
-    a, b = training_part(saved), training_part(current)
+    """'key: old -> new' for every training key whose value differs, a key on one side only
+    included (a section switched on, a new `model.args` entry): that side shows the key's
+    default, or `absent` where the config has no default for it (a free-form entry)."""
+    a, b = _leaves(training_part(saved)), _leaves(training_part(current))
+    defaults = _leaves(training_part(to_dict(Config())))
+
+    def value(side: dict[str, Any], key: str) -> Any:
+        return side[key] if key in side else defaults.get(key, _ABSENT)
+
     return [
-        f"{key}: {a[key]!r} -> {b[key]!r}"
-        for key in sorted(a.keys() & b.keys())
-        if a[key] != b[key]
+        f"{key}: {value(a, key)!r} -> {value(b, key)!r}"
+        for key in sorted(a.keys() | b.keys())
+        if value(a, key) != value(b, key)
     ]
+
+
+class _Absent:
+    """The value of a key a config does not have (shown as `absent`)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _leaves(flat: dict[str, Any]) -> dict[str, Any]:
+    """The values of free-form sections (`model.args`, `task.args`) by keys of their own."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if isinstance(value, dict):
+            out.update(_leaves({f"{key}.{k}": v for k, v in value.items()}))
+        else:
+            out[key] = value
+    return out

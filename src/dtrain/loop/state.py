@@ -34,6 +34,10 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def reached(self, epochs: int, max_steps: int | None) -> bool:
+        """Whether the run is at or past the length asked (train.epochs, train.max_steps)."""
+        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint of an older version lacks the newer fields: they get their defaults."""
         fresh = TrainState()

@@ -141,8 +141,7 @@ class Trainer:
         train, ckpt, state = self.train, self.ckpt, self.state
         max_steps = train.max_steps or math.inf
         while (
-            state.epoch < train.epochs
-            and state.step < max_steps
+            not state.reached(train.epochs, train.max_steps)
             and not self.stop_requested
             and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
         ):

@@ -269,6 +269,10 @@ def _train(
     if pieces.starting_weights and adapters_only:  # a LoRA checkpoint holds no base weights
         log.info(pieces.starting_weights.load(model))
     resumed = checkpoints.resume()
+    if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):
+        # Nothing trains: config.yaml and the run's record keep saying what was trained.
+        log.info(_already_past(cfg, state, cfg.run_url or run_dir))
+        return "finished"
     if resumed:
         _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
         if pieces.starting_weights and not adapters_only:
@@ -386,11 +390,10 @@ def _length_change(
     end = state.step + max(0, left)
     if cfg.train.max_steps:
         end = min(end, cfg.train.max_steps)
-    said = f"run length changed on resume ({'; '.join(length)})"
-    if end <= state.step:
-        said += f": the run is done at step {state.step}; nothing is left to train"
-    else:
-        said += f": training continues from step {state.step} to step {end}"
+    said = (
+        f"run length changed on resume ({'; '.join(length)}): training continues from step "
+        f"{state.step} to step {end}"
+    )
     lr_at = getattr(schedule, "lr_at", None)
     if lr_at is None:  # a user's scheduler: built for the new length, then given its saved state
         return f"{said}; the user schedule {cfg.sched.name} was built for {steps.total} steps"
@@ -407,6 +410,17 @@ def _length_change(
         f"{schedule.total_steps} steps, as if the run had been this long from the start "
         f"(ckpt.on_length_change=respan): lr at step {state.step} {before:.4g} -> "
         f"{lr_at(state.step):.4g}"
+    )
+
+
+def _already_past(cfg: Config, state: TrainState, shown: str) -> str:
+    asked = f"train.epochs={cfg.train.epochs}"
+    if cfg.train.max_steps:
+        asked += f", train.max_steps={cfg.train.max_steps}"
+    return (
+        f"{shown} is already at or past the asked length ({asked}): it trained to step "
+        f"{state.step}, epoch {state.epoch}; nothing to train, and its config.yaml and record "
+        f"are unchanged"
     )
 
 
