@@ -38,7 +38,7 @@ COMMANDS: list[tuple[str, list[str] | str]] = [
     ("torchrun --nproc_per_node=2 launch/train.py --config configs/gpt_tokens.yaml", GPT_SMALL),
     ('dtrain sweep --config configs/default.yaml --name lr_sweep "optim.lr=[0.3,0.1,0.03,0.01]" '
      "train.max_steps=200", SMALL),
-    ('dtrain sweep --config configs/default.yaml --random 8 --seed 0 '
+    ('dtrain sweep --config configs/default.yaml --random 4 --seed 0 '
      '"optim.lr=loguniform(1e-4,1e-1)"', [*SMALL, "train.max_steps=20"]),
     ("dtrain runs runs/lr_sweep", []),
     ("tensorboard --logdir runs/lr_sweep", "a viewer that serves until stopped"),
@@ -97,8 +97,11 @@ def test_readme_commands_run_in_order(tmp_path) -> None:
     for name in CLONE:
         (tmp_path / name).symlink_to(REPO / name)
     venv = Path(sys.prefix)
+    listed = dict(COMMANDS)
     done = []
-    for command, how in COMMANDS:
+    for command in readme_commands():
+        assert command in listed, f"the README's {command!r} is not listed in COMMANDS"
+        how = listed[command]
         if isinstance(how, str):
             continue
         words = argv(command, tmp_path)
