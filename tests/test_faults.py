@@ -209,10 +209,27 @@ def test_checkpoint_of_another_model_names_the_keys(two_steps, tmp_path) -> None
             "(e.g. ['features.0.0.weight', 'features.0.1.bias', 'features.0.1.weight'])") in result.stderr
 
 
-def test_run_directory_is_private(two_steps) -> None:
-    for path in [two_steps.run_dir, *two_steps.run_dir.rglob("*")]:
-        mode = path.stat().st_mode & 0o777
-        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+def _modes(run_dir) -> dict[str, int]:
+    return {str(p.relative_to(run_dir)): p.stat().st_mode & 0o777
+            for p in [run_dir, *run_dir.rglob("*")] if p.name != ".lock"}
+
+
+def test_a_run_follows_the_umask_unless_private(two_steps, tmp_path) -> None:
+    """By default every file and folder of a run gets what the user's umask gives (a team reads
+    a shared run); run.private makes them the owner's alone. The lock, naming its holder's
+    process, is the owner's either way."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = _modes(two_steps.run_dir)
+    assert {"config.yaml", "metrics.jsonl", "checkpoints"} <= set(modes)
+    for name, mode in modes.items():
+        is_dir = (two_steps.run_dir / name).is_dir() if name != "." else True
+        assert mode == (0o777 if is_dir else 0o666) & ~umask, (name, oct(mode), oct(umask))
+    private = launch(tmp_path / "runs" / "private", [*TWO_STEPS, "run.private=true"])
+    assert private.returncode == 0, private.stderr[-2000:]
+    for name, mode in _modes(private.run_dir).items():
+        is_dir = (private.run_dir / name).is_dir() if name != "." else True
+        assert mode == (0o700 if is_dir else 0o600), (name, oct(mode))
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(two_steps, tmpfs) -> None:

@@ -50,7 +50,11 @@ class RunConfig:
         check=NON_NEGATIVE,
         doc="the one seed: model init, data order, augmentation, per-rank randomness",
     )
-    private: bool = option(True, doc="run directories 0700 and files 0600 (owner only)")
+    private: bool = option(
+        False,
+        doc="run directories 0700 and files 0600 (owner only); off: what the umask gives, as "
+        "every file dtrain writes",
+    )
     storage_options: dict = option(
         {},
         doc="for run.out_dir, ckpt.resume, model.init_from and data.root in an object store: "
