@@ -19,7 +19,7 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import latest, launch
+from conftest import latest, launch, unwrapped
 
 from dtrain import cli, config
 from dtrain.commands.tokenize import command as tokenize
@@ -339,7 +339,7 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
     assert (f"loss on {share['train']:.1%} of the training tokens and {share['val']:.1%} of the "
             f"validation tokens: the assistant's replies, each with the end-of-turn token after "
             f"it (the folder's loss masks); packed windows: the masks mark where each document "
-            f"starts") in result.stderr
+            f"starts") in unwrapped(result.stderr)
     model = GPT(vocab_size=meta["vocab_size"], seq_len=SEQ, dim=32, depth=1, heads=2)
     saved = torch.load(latest(result.run_dir) / "checkpoint.pt", weights_only=True)["model"]
     model.load_state_dict(saved)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dtrain, kill_then_resume, latest, launch, start
+from conftest import dtrain, kill_then_resume, latest, launch, start, unwrapped
 
 from dtrain import config
 from dtrain.commands.plan import command as plan
@@ -277,7 +277,7 @@ def test_tokens_train_with_the_vocabulary_and_bytes_per_token_of_meta_json(tmp_p
     windows, val_windows = (20000 - (SEQ + 1)) // SEQ + 1, (3001 - 1) // SEQ
     assert (f"tokens from {folder} (uint16, vocabulary {VOCAB}, from {folder / 'meta.json'}): "
             f"{windows} training windows of {SEQ + 1} tokens (stride {SEQ}), {val_windows} "
-            f"validation windows; 4.000 bytes of text per validation token") in result.stderr
+            f"validation windows; 4.000 bytes of text per validation token") in unwrapped(result.stderr)
     final = [r for r in result.records() if "val_loss" in r][-1]
     assert final["val_bits_per_byte"] == pytest.approx(final["val_loss"] / math.log(2) / 4.0,
                                                        rel=1e-12)
