@@ -123,8 +123,16 @@ def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
     overrides = config.overrides_only(args.overrides, "export", "names its run as --run-dir DIR")
-    export.main(args.run, args.checkpoint, args.out, args.format, args.weights, overrides,
-                args.max_shard_size, args.trust_remote_code)  # fmt: skip
+    export.main(
+        args.run,
+        args.checkpoint,
+        args.out,
+        args.format,
+        args.weights,
+        overrides,
+        args.max_shard_size,
+        args.trust_remote_code,
+    )
     return 0
 
 

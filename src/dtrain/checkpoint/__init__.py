@@ -76,9 +76,10 @@ if TYPE_CHECKING:
     from dtrain.loop.ema import EmaWeights
     from dtrain.loop.state import TrainState
 
-__all__ = ["CheckpointError", "Checkpointer", "Resumed", "Stateful", "ConfigChanged",
-           "open_checkpoint", "load_file", "DCP_DIR", "FULL_FILE", "META_FILE", "LATEST",
-           "MARKER", "Store", "read_marker"]  # fmt: skip
+# The names other packages use.
+__all__ = ["CheckpointError", "Checkpointer", "Resumed", "Stateful", "ConfigChanged", "Store"]
+__all__ += ["open_checkpoint", "load_file", "read_marker", "DCP_DIR", "FULL_FILE", "META_FILE"]
+__all__ += ["LATEST", "MARKER"]
 
 
 class Checkpointer:

@@ -191,8 +191,14 @@ def choose(run_dir: str, which: str, cfg: Config, listing_dir: str = "") -> Chos
     if is_url(path):
         marker = remote_copies.marker_of(path, options, "eval")
         url = remote_copies.checkpoint_folder(path)
-        return Chosen(url, str(marker.get("format", "full")), None, marker.get("step"),
-                      marker.get("world_size"), url)  # fmt: skip
+        return Chosen(
+            url,
+            str(marker.get("format", "full")),
+            None,
+            marker.get("step"),
+            marker.get("world_size"),
+            url,
+        )
     if which not in ("latest", "best"):
         if not os.path.exists(path):
             raise UserError(

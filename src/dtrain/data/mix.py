@@ -97,8 +97,10 @@ def _assembled(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Window `windows[i]` of source `which[i]`, for each i, as one batch (and its masks): each
     source reads its rows at once, in the dtype of the widest source's ids."""
-    dtype = max((torch.from_numpy(np.empty(0, w.tensor_dtype)).dtype for w in sources),
-                key=lambda d: d.itemsize)  # fmt: skip
+    dtype = max(
+        (torch.from_numpy(np.empty(0, w.tensor_dtype)).dtype for w in sources),
+        key=lambda d: d.itemsize,
+    )
     length = sources[0].seq_len + 1
     tokens = torch.empty((len(which), length), dtype=dtype)
     masked = sources[0].mask is not None
@@ -272,15 +274,16 @@ def build(cfg: DataConfig, seed: int, val_only: bool = False) -> Datasets:
         for span in folder.spans.values():
             check_ids(span, folder.vocab_size)
         loss_masks.check_windows(folder.meta, folder.root, seq_len, stride)
-        val = Windows(folder.spans["val"], seq_len, seq_len, folder.vocab_size,
-                      folder.masks.get("val"))  # fmt: skip
+        val = Windows(
+            folder.spans["val"], seq_len, seq_len, folder.vocab_size, folder.masks.get("val")
+        )
         enough_windows(val, ", ".join(folder.files["val"]), seq_len, "data.tokens.seq_len")
         val_sets.append(val)
         if not val_only:
-            train = Windows(folder.spans["train"], seq_len, stride, folder.vocab_size,
-                            folder.masks.get("train"))  # fmt: skip
-            enough_windows(train, ", ".join(folder.files["train"]), seq_len,
-                           "data.tokens.seq_len")  # fmt: skip
+            train = Windows(
+                folder.spans["train"], seq_len, stride, folder.vocab_size, folder.masks.get("train")
+            )
+            enough_windows(train, ", ".join(folder.files["train"]), seq_len, "data.tokens.seq_len")
             train_sets.append(train)
     weights = [e["weight"] for e in cfg.tokens.mix or []]
     train_set: Any = NO_SAMPLES if val_only else MixedWindows(train_sets, weights, seed)

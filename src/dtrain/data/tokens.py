@@ -312,8 +312,10 @@ def _parts(
         return list(paths)
     cache = remote_tokens.cache_folder(root, listed, cache_gib)
     shards = [os.path.basename(p) for p in paths]
-    return [RemoteShard(root, n, listed[n], cache, versions.get(n, ""), digests.get(n, ""))
-            for n in shards]  # fmt: skip
+    return [
+        RemoteShard(root, n, listed[n], cache, versions.get(n, ""), digests.get(n, ""))
+        for n in shards
+    ]
 
 
 def _digests(meta: dict[str, Any]) -> dict[str, str]:
@@ -400,10 +402,14 @@ def read_folder(cfg: DataConfig, splits: Sequence[str] = names.TOKEN_SPLITS) -> 
         per_token = {split: None for split in files}
         described = "data.tokens.dtype and data.tokens.vocab_size"
     digests = _digests(meta)
-    spans = {split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests),
-                         DTYPES[dtype]) for split, paths in files.items()}  # fmt: skip
-    masks = {split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests),
-                         np.uint8) for split, paths in mask_files.items()}  # fmt: skip
+    spans = {
+        split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests), DTYPES[dtype])
+        for split, paths in files.items()
+    }
+    masks = {
+        split: Span(_parts(root, paths, listed, keys.cache_gib, versions, digests), np.uint8)
+        for split, paths in mask_files.items()
+    }
     for split, mask in masks.items():
         loss_masks.check_sizes(spans[split], mask, mask_files[split])
     for split, paths in files.items():

@@ -45,8 +45,8 @@ __all__ = [
 
 # Short timeouts and bounded retries: an unreachable endpoint is one line within a minute, a
 # 503 "SlowDown" is retried with backoff (botocore's standard retry mode).
-_DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 30,
-                   "retries": {"max_attempts": 6, "mode": "standard"}}  # fmt: skip
+_RETRIES = {"max_attempts": 6, "mode": "standard"}
+_DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": _RETRIES}
 # The longest one request waits for its answer, its retries included (run.store_timeout_s); a
 # transfer also gets a second per MiB it moved.
 TIMEOUT_S = 45.0
@@ -446,9 +446,13 @@ class StreamingUpload:
             self.upload_id = str(started["UploadId"])
         number = len(self.parts) + len(self.pending) + 1
         request = self.fs._call_s3(
-            "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number,
-            UploadId=self.upload_id, Body=body,
-        )  # fmt: skip
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            PartNumber=number,
+            UploadId=self.upload_id,
+            Body=body,
+        )
         self.pending.append((number, len(body), self.objects.submit(request)))
         while len(self.pending) > self.IN_FLIGHT:
             self._collect()

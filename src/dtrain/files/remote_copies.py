@@ -19,9 +19,18 @@ from dtrain.files.remote_store import RemoteStore, fetch_checkpoint
 from dtrain.files.store import Entry
 
 __all__ = [
-    "ObjectStore", "checkpoint_folder", "checkpoints", "check_new", "fetch_checkpoint",
-    "fetch_file", "join", "listing", "marker_of", "upload_file", "upload_folder",
-]  # fmt: skip
+    "ObjectStore",
+    "checkpoint_folder",
+    "checkpoints",
+    "check_new",
+    "fetch_checkpoint",
+    "fetch_file",
+    "join",
+    "listing",
+    "marker_of",
+    "upload_file",
+    "upload_folder",
+]
 
 
 def listing(run_url: str, options: dict[str, Any], into: str) -> RemoteStore:

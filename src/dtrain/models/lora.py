@@ -101,8 +101,9 @@ def _check_names(model: nn.Module, cfg: ModelConfig, key: str, wanted: list[str]
             shorts = sorted({n.rsplit(".", 1)[-1] for n in names} | set(names))
             close = difflib.get_close_matches(str(entry), shorts, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, nn.Linear)})  # fmt: skip
+            linear = sorted(
+                {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            )
             raise UserError(
                 f"config error: model.lora.{key}: no module of {cfg.name} is named "
                 f"{entry!r}{hint}; its linear layers are named {', '.join(linear[:12])}"

@@ -101,8 +101,17 @@ def main(
         parent, name = out.rstrip("/").rsplit("/", 1)
         made = os.path.join(copies, "out")
         os.makedirs(made)
-        found = export(local, os.path.join(made, name), fmt, weights, overrides, shown=source,
-                       where=(made, parent), shard_size=shard_size, trusted=trusted)  # fmt: skip
+        found = export(
+            local,
+            os.path.join(made, name),
+            fmt,
+            weights,
+            overrides,
+            shown=source,
+            where=(made, parent),
+            shard_size=shard_size,
+            trusted=trusted,
+        )
         objects = remote_copies.ObjectStore(parent, {})
         files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
         with objects.failing_as("write to"):
@@ -352,8 +361,9 @@ def export(
                 found, line = hf_stream.export(streamed[0], meta, what, staging, size)
             else:
                 assert model is not None
-                found, line = _write(fmt, model, meta, what, staging, list(overrides), weights,
-                                     shard_size)  # fmt: skip
+                found, line = _write(
+                    fmt, model, meta, what, staging, list(overrides), weights, shard_size
+                )
         except UserError as e:
             raise type(e)(_final_paths(_final_paths(str(e), stage, folder), here, there)) from None
     print(_final_paths(_final_paths(line, stage, folder), here, there))

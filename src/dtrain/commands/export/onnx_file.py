@@ -216,9 +216,15 @@ def _onnx_program(model: nn.Module, inputs: Any, dynamic: Any) -> Any:
         warnings.simplefilter("ignore")
         try:
             return torch.onnx.export(
-                model, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic,
-                verbose=False, input_names=names, output_names=outputs,
-            )  # fmt: skip
+                model,
+                args,
+                kwargs=kwargs,
+                dynamo=True,
+                dynamic_shapes=dynamic,
+                verbose=False,
+                input_names=names,
+                output_names=outputs,
+            )
         except Exception as e:  # noqa: BLE001 - whatever the exporter met is the user's to fix
             raise CheckFailed(export_failure(e)) from None
 

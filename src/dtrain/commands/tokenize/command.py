@@ -337,9 +337,17 @@ def tokenize(
                 shutil.copyfile(tokenizer_path, partial["tokenizer.json"])
         if templated is not None:
             splits = chat_data.write_splits(
-                templated, meta, val_fraction, train_sources, val_sources, column, partial,
-                index_path, stream, render_timeout or chat_data.RENDER_TIMEOUT_S,
-            )  # fmt: skip
+                templated,
+                meta,
+                val_fraction,
+                train_sources,
+                val_sources,
+                column,
+                partial,
+                index_path,
+                stream,
+                render_timeout or chat_data.RENDER_TIMEOUT_S,
+            )
         else:
             splits = _write_splits(
                 tokenizer,
@@ -416,8 +424,17 @@ def _write_splits(
             def document(ids: list[int], nbytes: int) -> None:
                 add("a document", ids, np.ones(len(ids), dtype=np.uint8), nbytes)
 
-            encode(tokenizer, from_sources, column, None, dtype, eot_id, batch_bytes, progress,
-                   sink=document)  # fmt: skip
+            encode(
+                tokenizer,
+                from_sources,
+                column,
+                None,
+                dtype,
+                eot_id,
+                batch_bytes,
+                progress,
+                sink=document,
+            )
 
         return packed.write_splits(
             meta, val_fraction, train_sources, val_sources, partial, index_path, feed, True
