@@ -144,7 +144,7 @@ def test_no_import_cycle_between_top_level_units() -> None:
         units.setdefault(_unit(module), set()).update(_unit(t) for t in targets)
     for unit, targets in units.items():
         targets.discard(unit)
-    assert _cycles(units) == []
+    assert _cycles(units) == [], _cycles(units)
 
 
 def test_imports_only_go_down_the_layers() -> None:
@@ -260,3 +260,154 @@ def test_torchs_private_functions_are_called_only_by_compat() -> None:
         if _torch_private_attribute(node)
     ]
     assert private == []
+
+
+# ---- Seams: each capability lives in one place (docs/architecture.md) ----------------------
+
+BELOW_RUN = set(LAYERS[LAYERS.index("run") + 1:]) - {"config", "__init__"}
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+PARALLEL_MODES = {"none", "ddp", "fsdp", "hsdp"}
+EXPORT_FORMATS = {"state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft",
+                  "sharded"}
+TREES = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in MODULES.items()}
+
+
+def _where(module: str, node: ast.AST) -> str:
+    return f"{MODULES[module].relative_to(SRC)}:{getattr(node, 'lineno', 0)}"
+
+
+def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_below_run_takes_the_whole_config() -> None:
+    """Each component takes its own section; only run/ and the commands hold the whole Config."""
+    whole = [
+        f"{_where(m, fn)} {fn.name}({arg.arg})"
+        for m, tree in TREES.items()
+        if _unit(m) in BELOW_RUN
+        for fn in _functions(tree)
+        for arg in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        if arg.annotation is not None
+        and ast.unparse(arg.annotation).strip("'\"").rpartition(".")[2] == "Config"
+    ]
+    assert whole == [], whole
+
+
+def test_a_models_capabilities_are_read_in_one_place() -> None:
+    """Whether a model trains adapters is the model spec's to say (models/spec.py)."""
+    reads = [
+        _where(m, node)
+        for m, tree in TREES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("lora.enabled", "enabled")
+        or isinstance(node, ast.Attribute) and ast.unparse(node).endswith(".lora.enabled")
+    ]
+    assert len(reads) <= 2, reads
+    flags = [_where(m, n) for m, tree in TREES.items() for n in ast.walk(tree)
+             if isinstance(n, (ast.Name, ast.arg, ast.keyword, ast.Attribute))
+             and "adapters_only" in (getattr(n, "id", None) or getattr(n, "arg", None)
+                                     or getattr(n, "attr", None) or "")]
+    assert flags == [], flags
+
+
+def _compares_with(node: ast.AST, constants: set[str]) -> bool:
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    values = set()
+    for side in sides:
+        if isinstance(side, ast.Constant) and isinstance(side.value, str):
+            values.add(side.value)
+        elif isinstance(side, (ast.Tuple, ast.Set, ast.List)):
+            values.update(e.value for e in side.elts if isinstance(e, ast.Constant))
+    return bool(values & constants)
+
+
+def test_nothing_outside_parallel_branches_on_the_parallel_mode() -> None:
+    """The strategy object (parallel/) answers what differs between none, DDP, FSDP and HSDP."""
+    branches = [
+        _where(m, node)
+        for m, tree in TREES.items()
+        if _unit(m) != "parallel"
+        for node in ast.walk(tree)
+        if (_compares_with(node, PARALLEL_MODES) and "mode" in ast.unparse(node))
+        or (isinstance(node, ast.Attribute) and node.attr == "is_fsdp")
+    ]
+    assert len(branches) <= 2, branches
+
+
+def test_export_picks_no_format_by_its_name() -> None:
+    """Export formats are a registry of objects: the command never tests a format's name."""
+    tests = [
+        _where(m, node)
+        for m, tree in TREES.items()
+        if m.startswith("dtrain.commands.export")
+        for node in ast.walk(tree)
+        if _compares_with(node, EXPORT_FORMATS)
+    ]
+    assert tests == [], tests
+
+
+def test_no_import_cycle_even_counting_type_only_imports() -> None:
+    every: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(TREES[module]):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                full = ".".join(base + ([node.module] if node.module else []))
+            elif isinstance(node, ast.ImportFrom):
+                full = node.module or ""
+            elif isinstance(node, ast.Import):
+                full = node.names[0].name
+            else:
+                continue
+            if full.split(".")[0] != "dtrain":
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else [""]
+            for name in names:
+                target = f"{full}.{name}" if f"{full}.{name}" in MODULES else _resolve(full)
+                if target != module:
+                    every.setdefault(module, set()).add(target)
+    assert _cycles(every) == [], _cycles(every)
+    units: dict[str, set[str]] = {}
+    for module, targets in every.items():
+        units.setdefault(_unit(module), set()).update(_unit(t) for t in targets)
+    for unit, targets in units.items():
+        targets.discard(unit)
+    assert _cycles(units) == [], _cycles(units)
+
+
+def test_modules_and_functions_stay_small() -> None:
+    long_modules = [f"{p.relative_to(SRC)} ({n})" for p in MODULES.values()
+                    if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    long_functions = [
+        f"{_where(m, fn)} {fn.name} ({fn.end_lineno - fn.lineno + 1})"
+        for m, tree in TREES.items()
+        for fn in _functions(tree)
+        if fn.end_lineno and fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long_modules + long_functions == [], long_modules + long_functions
+
+
+def test_every_package_says_what_it_holds() -> None:
+    """A package docstring is a sentence about its contents, not the package's name."""
+    bare = []
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(TREES[module]) or ""
+        if len(doc.split()) < 6:
+            bare.append(f"{path.relative_to(SRC)}: {doc!r}")
+    assert bare == [], bare
+
+
+def test_the_architecture_page_lists_the_layers() -> None:
+    """docs/architecture.md has one row per unit, top to bottom, as LAYERS."""
+    page = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = [line.split("|")[1].strip().strip("`").rstrip("/").removesuffix(".py")
+              for line in page.splitlines()
+              if line.startswith("| `")]
+    assert listed == LAYERS
