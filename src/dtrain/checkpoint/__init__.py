@@ -66,6 +66,7 @@ from dtrain.files.store import (
     file_sizes,
     read_marker,
 )
+from dtrain.models.spec import ModelSpec
 from dtrain.parallel import unwrap
 from dtrain.process import dist, rng
 from dtrain.process.layout import Layout
@@ -98,18 +99,19 @@ class Checkpointer:
         state: TrainState,
         parts: Mapping[str, Stateful],
         model_info: dict[str, Any],
+        spec: ModelSpec,
         ema: EmaWeights | None = None,
-        adapters_only: bool = False,
     ) -> None:
         """`ckpt` is the config's checkpoint section, `seed` the run's, `config` the whole resolved
         config as data (saved in every checkpoint; a resume compares it with the saved one).
         `state` says where the run is (it names the checkpoints); `parts` are the other pieces
         a run needs to continue exactly (schedule, grad scaler, ...), saved and loaded by name;
         `ema` the averaged weights (train.ema), saved beside the model's, sharded alike.
-        `adapters_only` (LoRA): the frozen base's weights are not saved, nor read back."""
+        `spec` says what a checkpoint holds (for LoRA, not the frozen base's weights, nor are
+        they read back)."""
         self.ckpt, self.seed, self.config = ckpt, seed, config
         self.store, self.model, self.optimizer = store, model, optimizer
-        self.ema, self.adapters_only = ema, adapters_only
+        self.ema, self.spec = ema, spec
         self.state, self.parts = state, dict(parts)
         self.model_info = model_info  # what rebuilding the model needs (dtrain export)
         self.device = layout.device
@@ -136,7 +138,7 @@ class Checkpointer:
         # (The module's own state_dict has the names and global shapes the distributed
         # state-dict API uses; importing that API costs half a second, not to be paid before
         # the first step of a fresh start.)
-        self._shapes = trained_shapes(unwrap(model), adapters_only)
+        self._shapes = trained_shapes(unwrap(model), self.spec)
         self._full_data: dict[str, Any] | None = None
         # This node's copy of a store's checkpoint, to resume (by host: nodes may share a disk).
         self._fetched = os.path.join(store.dir, f"{FETCHED_PREFIX}{socket.gethostname()}")
@@ -181,9 +183,9 @@ class Checkpointer:
         }
         full = self.format == "full"
         payload = {
-            "model": model_state(self.model, full, self.adapters_only),
+            "model": model_state(self.model, full, self.spec),
             "optimizer": get_optimizer_state_dict(
-                self.model, self.optimizer, options=state_options(full, self.adapters_only)
+                self.model, self.optimizer, options=state_options(full, self.spec)
             ),
         }
         if self.ema is not None:
@@ -456,9 +458,9 @@ class Checkpointer:
             # The average is read with the rest and taken only after the rest was applied.
             ema = self.ema.staging(folder, fmt, self._full_data, self.device) if self.ema else None
             if fmt == "full":
-                apply_full(self.model, self.optimizer, self._full_data, folder, self.adapters_only)
+                apply_full(self.model, self.optimizer, self._full_data, folder, self.spec)
             else:
-                apply_sharded(self.model, self.optimizer, folder, ema, self.adapters_only)
+                apply_sharded(self.model, self.optimizer, folder, self.spec, ema)
             if self.ema is not None:
                 self.ema.apply(ema)
         except UserError as e:  # a damaged file of a store's checkpoint: named by its URL

@@ -19,6 +19,7 @@ from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_fil
 from dtrain.files.objstore import TIMEOUT_S, is_url
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.resume_policy import is_length_change, training_differences
+from dtrain.models.spec import ModelSpec
 from dtrain.parallel import unwrap
 from dtrain.process import dist
 from dtrain.process.compat import tree_map_tensors
@@ -120,36 +121,35 @@ def check_base(saved_info: dict[str, Any], info: dict[str, Any], folder: str) ->
             )
 
 
-def state_options(full: bool, adapters_only: bool = False, **options: Any) -> Any:
+def state_options(full: bool, spec: ModelSpec, **options: Any) -> Any:
     """How a checkpoint's model and optimizer state are taken or given: whole on rank 0 (`full`,
-    in CPU memory) or as each rank's shards; for LoRA (`adapters_only`) without the frozen base,
-    which comes from where it came from at the start."""
+    in CPU memory) or as each rank's shards; for a model whose checkpoint does not hold
+    everything (LoRA), without the frozen base, which comes from where it came from at the
+    start."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if full:
         options.setdefault("cpu_offload", True)
-    return StateDictOptions(full_state_dict=full, ignore_frozen_params=adapters_only, **options)
+    return StateDictOptions(
+        full_state_dict=full, ignore_frozen_params=not spec.holds_everything, **options
+    )
 
 
-def model_state(model: nn.Module, full: bool, adapters_only: bool, **options: Any) -> Any:
+def model_state(model: nn.Module, full: bool, spec: ModelSpec, **options: Any) -> Any:
     """The model's state as a checkpoint holds it (`state_options`). Without the frozen base,
     a tied weight goes too: the distributed state-dict API leaves out only its first name."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(model, options=state_options(full, adapters_only, **options))
-    frozen = _frozen_names(unwrap(model)) if adapters_only else set()
-    return {k: v for k, v in state.items() if k not in frozen}
+    state = get_model_state_dict(model, options=state_options(full, spec, **options))
+    left_out = spec.left_out(unwrap(model))
+    return {k: v for k, v in state.items() if k not in left_out}
 
 
-def _frozen_names(model: nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-
-def trained_shapes(model: nn.Module, adapters_only: bool) -> dict[str, tuple[int, ...]]:
+def trained_shapes(model: nn.Module, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The names and full shapes of what a checkpoint of `model` holds (the module's own
     state_dict has the names and global shapes the distributed state-dict API uses)."""
-    frozen = _frozen_names(model) if adapters_only else set()
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in frozen}
+    left_out = spec.left_out(model)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in left_out}
 
 
 def local_folder(
@@ -183,7 +183,7 @@ def apply_full(
     optimizer: torch.optim.Optimizer | None,
     data: dict[str, Any] | None,
     folder: str,
-    adapters_only: bool = False,
+    spec: ModelSpec,
 ) -> None:
     """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast.
     Without an optimizer (evaluation), the model's weights only."""
@@ -195,9 +195,9 @@ def apply_full(
     data = data or {"model": {}, "optimizer": {}}
     options = state_options(
         True,
-        adapters_only,
+        spec,
         cpu_offload=False,
-        strict=not adapters_only,
+        strict=spec.holds_everything,
         broadcast_from_rank0=dist.is_distributed(),
     )
     try:
@@ -213,8 +213,8 @@ def apply_sharded(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     folder: str,
+    spec: ModelSpec,
     extra: dict[str, Any] | None = None,
-    adapters_only: bool = False,
 ) -> None:
     """Read every shard into new tensors first; apply them only when all were read. `extra`
     (tensors by part name, e.g. the EMA weights) is filled by the same read, for the caller to
@@ -225,8 +225,8 @@ def apply_sharded(
         set_optimizer_state_dict,
     )
 
-    options = state_options(False, adapters_only, strict=not adapters_only)
-    own = model_state(model, False, adapters_only, strict=not adapters_only)
+    options = state_options(False, spec, strict=spec.holds_everything)
+    own = model_state(model, False, spec, strict=spec.holds_everything)
     staged = {"model": tree_map_tensors(torch.empty_like, own)}
     if optimizer is not None:
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)

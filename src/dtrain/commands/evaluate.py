@@ -50,7 +50,7 @@ from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
 from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
 from dtrain.loop import evaluation
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.parallel import unwrap
 from dtrain.process import dist
@@ -98,7 +98,7 @@ def eval_config(
         named = registry.code_named(cfg).items()
         from_run = {k: v for k, v in named if saved_values.get(k) == v}
         registry.refuse_code(from_run, f"--run-dir {shown}: its {names.CONFIG}")
-    if lora.enabled(cfg.model):
+    if not spec_of(cfg.model).holds_everything:  # the base's weights come from where they did
         return cfg
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, init_from=None, pretrained=False)
@@ -240,8 +240,8 @@ def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
     its own part, through DCP. A checkpoint of another model is refused with resuming's line
     before anything is loaded; a LoRA checkpoint's adapters go onto their base, checked by its
     digest, as resuming does."""
-    adapters_only = lora.enabled(cfg.model)
-    ours = trained_shapes(unwrap(model), adapters_only)
+    spec = spec_of(cfg.model)
+    ours = trained_shapes(unwrap(model), spec)
 
     def refuse_other_model(theirs: dict[str, tuple[int, ...]]) -> None:
         problem = shape_mismatch(ours, theirs)
@@ -265,7 +265,7 @@ def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
             return dict(saved.get("model_info") or {})
 
         prepare_base(model, cfg, dist.on_main(read), chosen.shown)
-        apply_full(model, None, held or None, chosen.folder, adapters_only)
+        apply_full(model, None, held or None, chosen.folder, spec)
         return
 
     def read_sharded() -> dict[str, Any]:
@@ -282,7 +282,7 @@ def load_weights(model: nn.Module, chosen: Chosen, cfg: Config) -> None:
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single"
             )
-            apply_sharded(model, None, chosen.folder, adapters_only=adapters_only)
+            apply_sharded(model, None, chosen.folder, spec)
     except UserError:
         if not os.path.isdir(chosen.folder):
             raise UserError(

@@ -18,7 +18,7 @@ from torch import nn
 from dtrain.config import ModelConfig, registry
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable, require
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 
 
 class ConvBlock(nn.Sequential):
@@ -285,12 +285,12 @@ def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
             f"config error: model.args: {cfg.name} cannot be built with {cfg.args} "
             f"({first_line(e)})"
         ) from None
-    if lora.enabled(cfg):
+    spec = spec_of(cfg)
+    if spec.adapters:
         # The adapters' initialisation is seeded on its own: what building the base drew from
         # the generator depends on how it was built (from a file, shard by shard, ...).
         torch.manual_seed(seed)
-        model = lora.apply(model, cfg, cfg.num_classes or info.get("num_classes"))
-    return model
+    return spec.adapt(model, cfg.num_classes or info.get("num_classes"))
 
 
 # ---------------------------------------------------------------------------------------------

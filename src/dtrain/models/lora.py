@@ -14,14 +14,13 @@ Names: peft's, inside its wrapper (`base_model.model.<name>`, a targeted layer's
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import warnings
 from typing import Any
 
 from torch import nn
 
-from dtrain.config import Config, LoraConfig, ModelConfig
+from dtrain.config import ModelConfig
 from dtrain.core.errors import UserError, first_line
 
 PREFIX = "base_model.model."  # peft's names for the wrapped model's tensors
@@ -32,10 +31,6 @@ ALL_LINEAR = "all-linear"
 BUILT_IN_TARGETS = {"gpt": ["qkv", "proj"]}
 # Parts of peft's names that the base model's names do not have.
 _WRAPPER_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
-
-
-def enabled(cfg: ModelConfig) -> bool:
-    return cfg.lora.r is not None
 
 
 def library(feature: str = "model.lora") -> Any:
@@ -171,8 +166,3 @@ def describe(cfg: ModelConfig, model: nn.Module) -> str:
         f"LoRA r={cfg.lora.r}, alpha {cfg.lora.alpha:g} on {shown}: {trained:,} of {total:,} "
         f"parameters train ({100 * trained / max(total, 1):.2f} %), the rest frozen"
     )
-
-
-def without(cfg: Config) -> Config:
-    """The same run without LoRA: full fine-tuning of the same model."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))

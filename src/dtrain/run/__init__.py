@@ -26,7 +26,7 @@ from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Callbacks, Trainer
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.observe import (
     RunLog,
     StartupClock,
@@ -248,7 +248,7 @@ def _train(
     parts.update(pieces.precision.checkpoint_parts())
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, model)  # None unless train.ema.decay is set
-    adapters_only = lora.enabled(cfg.model)
+    spec = spec_of(cfg.model)
     checkpoints = checkpoint.Checkpointer(
         ckpt=cfg.ckpt,
         seed=cfg.run.seed,
@@ -263,10 +263,10 @@ def _train(
             **models.model_info(cfg.model, pieces.datasets.info),
             **base_identity(cfg.model, cfg.run.seed, pieces.starting_weights),
         },
+        spec=spec,
         ema=ema,
-        adapters_only=adapters_only,
     )
-    if pieces.starting_weights and adapters_only:  # a LoRA checkpoint holds no base weights
+    if pieces.starting_weights and not spec.holds_everything:  # the base is not in a checkpoint
         log.info(pieces.starting_weights.load(model))
     resumed = checkpoints.resume()
     if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):
@@ -275,9 +275,9 @@ def _train(
         return "finished"
     if resumed:
         _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
-        if pieces.starting_weights and not adapters_only:
+        if pieces.starting_weights and spec.holds_everything:
             log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
-    elif pieces.starting_weights and not adapters_only:
+    elif pieces.starting_weights and spec.holds_everything:
         log.info(pieces.starting_weights.load(model))
     # Every check has passed (a resume refused for a changed config ends above): the run's
     # record and its config.yaml are written only now.

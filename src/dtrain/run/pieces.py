@@ -17,7 +17,7 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError, first_line
 from dtrain.data.sampler import epoch_steps
 from dtrain.loop.ema import monitored_metric
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, rng
@@ -130,8 +130,9 @@ def _model_and_task(
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
     wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
     notes += model_notes
-    if lora.enabled(cfg.model):
-        notes.append(lora.describe(cfg.model, wrapped))
+    described = spec_of(cfg.model).describe(wrapped)
+    if described:
+        notes.append(described)
     clock.mark("model and wrap")
     _check_task(cfg, layout, task, wrapped, precision, val_loader, datasets.on_device)
     if layout.is_fsdp:

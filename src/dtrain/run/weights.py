@@ -38,7 +38,8 @@ from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.safetensors_header import BadSafetensors, read_header
 from dtrain.files.store import read_marker
-from dtrain.models import hf, lora
+from dtrain.models import hf
+from dtrain.models.spec import spec_of
 from dtrain.process import dist
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class StartingWeights:
             self.path = _fetched(self.path, self.fetched_into, options)
         # A LoRA model's tensors by their base model's names (the file's); its adapters start
         # from their own initialisation.
-        self.names = _base_names(model, cfg)
+        self.names = spec_of(cfg).base_names(list(_model_tensors(model)))
         ours = {self.names[k]: v for k, v in _model_tensors(model).items() if k in self.names}
         self.excluded = {k for k in ours if self._excluded(k)}
         shapes = {k: tuple(v.shape) for k, v in ours.items() if k not in self.excluded}
@@ -245,15 +246,6 @@ class StartingWeights:
         return {"weights": self.shown, "digest": file_digest(self.path)}
 
 
-def _base_names(model: nn.Module, cfg: ModelConfig) -> dict[str, str]:
-    """Each of the model's tensor names and its name in the base model (the same, unless LoRA
-    wraps the model)."""
-    named = _model_tensors(model)
-    if not lora.enabled(cfg):
-        return {k: k for k in named}
-    return {k: base for k in named if (base := lora.base_name(k)) is not None}
-
-
 def base_identity(
     cfg: ModelConfig, seed: int, starting: StartingWeights | None
 ) -> dict[str, dict[str, str]]:
@@ -262,7 +254,7 @@ def base_identity(
     activation or rotary base computes another model from the same weights), saved in its
     checkpoints and checked wherever they are read; else nothing. Computed on rank 0 (reading
     the weights once) and given to every rank."""
-    if not lora.enabled(cfg):
+    if not spec_of(cfg).adapters:
         return {}
 
     def identity() -> dict[str, str]:
@@ -291,7 +283,7 @@ def prepare_base(model: nn.Module, cfg: Config, saved_info: dict[str, Any], wher
     """Before a LoRA checkpoint's adapters are loaded outside training (`dtrain eval`,
     `export`): the base they were trained on, checked by its digest against the checkpoint's
     `where` (exit 2 when it changed), with its weights from model.init_from / pretrained."""
-    if not lora.enabled(cfg.model):
+    if not spec_of(cfg.model).adapters:
         return
     uses_file = bool(cfg.model.init_from or cfg.model.pretrained)
     starting = StartingWeights(model, cfg.model, cfg.run.storage_options) if uses_file else None
@@ -303,7 +295,7 @@ def prepare_base(model: nn.Module, cfg: Config, saved_info: dict[str, Any], wher
 def base_model(cfg: Config, info: dict[str, Any]) -> nn.Module:
     """A LoRA run's base as a plain model (no adapters): built as the run builds it, with
     model.init_from / pretrained's weights loaded (outside training: one process)."""
-    plain = lora.without(cfg).model
+    plain = spec_of(cfg.model).base
     model = models.build(plain, info, cfg.run.seed)
     if plain.init_from or plain.pretrained:
         StartingWeights(model, plain, cfg.run.storage_options).load(model)

@@ -16,6 +16,7 @@ never replaces anything: --out, and every file written beside it, must be new (c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -33,7 +34,7 @@ from dtrain.config import registry
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url, join
 from dtrain.files import names, outputs, remote_copies
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.run.weights import prepare_base
 
 FORMATS = ("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft")
@@ -150,10 +151,10 @@ def load_model(
     refuse_code(meta, shown or path, untrusted)
     cfg = config.from_dict(meta["config"])
     model = models.build(cfg.model, meta["model_info"], cfg.run.seed)
-    adapters_only = lora.enabled(cfg.model)
+    spec = spec_of(cfg.model)
     with _one_process():  # (a sharded model.init_from: the base, read here)
         prepare_base(model, cfg, meta["model_info"], path)
-    held = trained_shapes(model, adapters_only)
+    held = trained_shapes(model, spec)
     if sharded:
         state = {"model": {k: v for k, v in model.state_dict().items() if k in held}}
         with _one_process():
@@ -164,14 +165,14 @@ def load_model(
     problem = shape_mismatch(held, {k: tuple(v.shape) for k, v in saved.items()})
     if problem:
         raise UserError(f"checkpoint error: {path}: {problem}")
-    model.load_state_dict(saved, strict=not adapters_only)
+    model.load_state_dict(saved, strict=spec.holds_everything)
     if weights == "ema":
         with _one_process():
             _load_ema(model, folder)
-    if adapters_only and not adapters:
+    if spec.adapters and not adapters:
         merged: Any = model
         model = merged.merge_and_unload()
-        meta = {**meta, "config": config.to_dict(lora.without(cfg))}
+        meta = {**meta, "config": config.to_dict(dataclasses.replace(cfg, model=spec.base))}
     return model.float().eval(), meta
 
 

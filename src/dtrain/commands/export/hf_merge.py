@@ -31,6 +31,7 @@ from dtrain.checkpoint.load import trained_shapes
 from dtrain.checkpoint.state import read_sharded_in_parts, shape_mismatch
 from dtrain.core.errors import UserError
 from dtrain.models import hf, lora
+from dtrain.models.spec import spec_of
 from dtrain.run.weights import prepare_base
 
 ADAPTER = "default"  # peft's name for the one adapter model.lora makes
@@ -75,7 +76,7 @@ def merged(
         return None
     with torch.device("meta"):
         adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
-    held = trained_shapes(adapted, adapters_only=True)
+    held = trained_shapes(adapted, spec_of(cfg.model))
     trained = {lora.base_name(k) for k in held}
     source = hf.resolve(cfg.model.name)
     files = hf.WeightFiles(cfg.model.name, source)

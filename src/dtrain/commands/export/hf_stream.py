@@ -40,7 +40,8 @@ from dtrain.commands.export.hf_folder import (
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
 from dtrain.files import outputs
-from dtrain.models import hf, lora
+from dtrain.models import hf
+from dtrain.models.spec import spec_of
 
 WEIGHTS_FILE, INDEX_FILE = hf.WEIGHTS_FILE, hf.WEIGHTS_INDEX
 
@@ -93,10 +94,11 @@ def source(folder: str, meta: dict, where: str) -> Source | None:
     """The file-by-file export of the sharded checkpoint `folder` (named `where` in messages);
     None for a LoRA run whose merge hf_merge cannot read tensor by tensor."""
     cfg = config.from_dict(meta["config"])
+    spec = spec_of(cfg.model)
     with torch.device("meta"):  # a LoRA run's: its base, which the export holds merged
-        model: Any = models.build(lora.without(cfg).model, meta["model_info"], cfg.run.seed)
+        model: Any = models.build(spec.base, meta["model_info"], cfg.run.seed)
     names = saved_names(model)
-    if not lora.enabled(cfg.model):
+    if not spec.adapters:
         shapes = model.state_dict()
         return Source(model, names, lambda parts: _from_checkpoint(folder, shapes, parts), False)
     from dtrain.commands.export import hf_merge

@@ -19,12 +19,13 @@ from dtrain.commands.export.check import TOLERANCE, difference, report
 from dtrain.core.errors import UserError
 from dtrain.files import outputs
 from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.run.weights import base_model
 
 
 def check_model(meta: dict) -> None:
     """Only a LoRA run has adapters: one line for any other."""
-    if not lora.enabled(config.from_dict(meta["config"]).model):
+    if not spec_of(config.from_dict(meta["config"]).model).adapters:
         raise UserError(
             "export error: --format peft writes a LoRA run's adapters (model.lora.r set); this "
             "checkpoint trained the whole model: use --format hf, safetensors or state_dict"

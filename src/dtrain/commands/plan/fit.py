@@ -26,7 +26,7 @@ from dtrain.commands.plan import facts as plan_facts
 from dtrain.commands.plan import footprint
 from dtrain.config import Config
 from dtrain.core.errors import UserError
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 
 MIB = 2**20
 # Anonymous memory of one rank that no setting changes: the interpreter, torch and its CPU
@@ -340,7 +340,9 @@ def render(cfg: Config, nproc: int | None, nnodes: int, limit: int, grow: str, f
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     fits = fit(cfg, nproc, nnodes, limit, grow)
     # A LoRA run's frontier beside full fine-tuning's: what freezing the base buys.
-    full = fit(lora.without(cfg), nproc, nnodes, limit, grow) if lora.enabled(cfg.model) else {}
+    spec = spec_of(cfg.model)
+    plain = dataclasses.replace(cfg, model=spec.base)
+    full = fit(plain, nproc, nnodes, limit, grow) if spec.adapters else {}
     if fmt == "json":
         shown = {mode: _as_json(f) for mode, f in fits.items()}
         if full:

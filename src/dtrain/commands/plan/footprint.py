@@ -18,7 +18,7 @@ from dtrain import parallel
 from dtrain.checkpoint.load import trained_shapes
 from dtrain.config import Config, registry
 from dtrain.loop.optim import StateShape
-from dtrain.models import lora
+from dtrain.models.spec import spec_of
 from dtrain.parallel.sharded_init import shard_rows
 from dtrain.process import compat
 
@@ -83,7 +83,7 @@ def checkpoint_size(model: nn.Module, cfg: Config, shards: int, world: int) -> i
     # the EMA weights: one tensor per parameter more
     slots, adam = state.slots + ema_copies(cfg), state.step
     # What a checkpoint holds of the model: all of it, or a LoRA run's adapters (and buffers).
-    held = trained_shapes(model, lora.enabled(cfg.model))
+    held = trained_shapes(model, spec_of(cfg.model))
     tensors = {k: t for k, t in model.state_dict().items() if k in held}
     data_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     trainable = [p for p in model.parameters() if p.requires_grad]
