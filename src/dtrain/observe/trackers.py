@@ -111,7 +111,7 @@ def _tracker_class(name: str) -> Any:
 def check_installed(cfg: Config) -> None:
     """Before any process group: every enabled tracker's library is importable, else one line
     naming the extra (exit 2). Looks the modules up without importing them (that takes a
-    second or more; the sender thread does it)."""
+    second or more; `build_trackers` does it, on rank 0 alone)."""
     for name, (_, _, extra) in TRACKERS.items():
         settings = tracker_settings(cfg, name)
         if not settings.enabled:
@@ -148,7 +148,13 @@ def build_trackers(
         if new_history and saved:
             info.previous = str(saved.get("run_id"))
             saved = None
-        tracker = _tracker_class(name)(tracker_settings(cfg, name))
+        settings = tracker_settings(cfg, name)
+        # Imported here, on the training thread, before the first step: imported by the sender
+        # thread, the library held module locks that the training thread could meet at the
+        # run's end, waiting as long as the import took on a loaded machine.
+        for module in _tracker_class(name).requires(settings):
+            importlib.import_module(module)
+        tracker = _tracker_class(name)(settings)
         sink = TrackerSink(name, tracker, info, saved, state, resumed_step)
         sink.begin()
         sinks.append(sink)
