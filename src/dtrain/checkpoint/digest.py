@@ -27,7 +27,6 @@ from dtrain.files.digests import (
     read_marker,
 )
 from dtrain.process import compat
-from dtrain.process.compat import ReadThrough
 
 T = TypeVar("T")
 _warned: set[str] = set()
@@ -157,7 +156,9 @@ def hashing_writer(path: str, streams: Any = None) -> Any:
     return compat.dcp_writer(path, HashingFileSystem())
 
 
-def verifying_read(folder: str, prefix: str, expected: dict[str, str] | None) -> ReadThrough | None:
+def verifying_read(
+    folder: str, prefix: str, expected: dict[str, str] | None
+) -> compat.ReadThrough | None:
     """How DCP's reader of the checkpoint `folder` reads (`compat.dcp_reader`'s `read_through`):
     hashing the files (below `prefix`) each rank's read plan opens while DCP reads them. A
     mismatch is raised inside DCP's read step, so that DCP reports it to every rank and none

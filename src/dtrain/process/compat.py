@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "NORM_LAYERS",
+    "ReadThrough",
     "TorchDispatchMode",
     "aten_ops",
     "dcp_planner",
