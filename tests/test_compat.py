@@ -230,3 +230,55 @@ def test_a_wrapper_subclass_has_the_shape_and_kind_but_no_storage_of_its_own() -
     out = compat.wrapper_subclass(Wrapped, torch.Size([5, 4]), like)
     assert type(out) is Wrapped and out.shape == (5, 4)
     assert out.dtype == torch.float16 and out.device == like.device
+
+
+# -- the grad scaler ----------------------------------------------------------------------------
+
+def test_the_scalers_found_inf_flags_say_whether_it_skipped_the_step() -> None:
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    assert compat.scaler_found_inf(scaler, optimizer) == []  # nothing unscaled yet
+    for grad, skipped in ((torch.tensor([1.0, float("inf")]), 1.0), (torch.ones(2), 0.0)):
+        scaler.scale(param.sum()).backward()
+        param.grad = grad * scaler.get_scale()
+        scaler.step(optimizer)
+        found = compat.scaler_found_inf(scaler, optimizer)
+        assert [float(f) for f in found] == [skipped]
+        scaler.update()
+        optimizer.zero_grad()
+
+
+# -- what DCP reads and writes goes through our functions ---------------------------------------
+
+def test_dcp_writes_through_our_file_system_and_reads_through_our_step(tmp_path) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Recording(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.created: list[str] = []
+
+        def create_stream(self, path, mode):
+            if "w" in mode:
+                self.created.append(str(path.name))
+            return super().create_stream(path, mode)
+
+    recording = Recording()
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=compat.dcp_writer(str(tmp_path), recording),
+             no_dist=True)
+    assert any(n.endswith(".distcp") for n in recording.created)
+    assert any(n.startswith(".metadata") for n in recording.created)
+    steps: list[list[str]] = []
+
+    def read_through(names, read):
+        steps.append(names)
+        return read()
+
+    state = {"w": torch.zeros(4)}
+    dcp.load(state, storage_reader=compat.dcp_reader(str(tmp_path), pickle.load, read_through),
+             no_dist=True)
+    assert torch.equal(state["w"], torch.arange(4.0))
+    assert steps == [sorted(n for n in recording.created if n.endswith(".distcp"))]

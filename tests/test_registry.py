@@ -3,6 +3,7 @@ checked when the config loads, and the tables import nothing heavy."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -22,6 +23,22 @@ def test_every_entry_names_a_builder_that_exists(table) -> None:
     for name in names:
         assert callable(table.builder(name)), name
     assert table.entry("pkg.mod:fn") is table.user
+
+
+# The package allowed to build each table's entries: a table in config/ names builders of the
+# layers above it as strings, and each string points into its own package only.
+BUILDERS = {"model.name": "dtrain.models", "data.name": "dtrain.data", "task.name": "dtrain.tasks",
+            "optim.name": "dtrain.loop", "sched.name": "dtrain.loop"}
+
+
+@pytest.mark.parametrize("table", registry.TABLES, ids=lambda t: t.key)
+def test_every_entry_points_into_the_package_that_builds_it(table) -> None:
+    entries = [*table.entries.values(), *table.prefixes.values(), table.user]
+    targets = [target for e in entries for target in (e.target, e.sizes) if target]
+    for target in targets:
+        module, _, name = target.partition(":")
+        assert module == BUILDERS[table.key] or module.startswith(BUILDERS[table.key] + "."), target
+        assert callable(getattr(importlib.import_module(module), name)), target
 
 
 @pytest.mark.parametrize("key,name,message", [

@@ -66,6 +66,7 @@ from dtrain.files.store import (
     file_sizes,
     read_marker,
 )
+from dtrain.files.store_protocol import CheckpointStore
 from dtrain.models.spec import ModelSpec
 from dtrain.parallel import unwrap
 from dtrain.process import dist, rng
@@ -93,7 +94,7 @@ class Checkpointer:
         seed: int,
         config: dict[str, Any],
         layout: Layout,
-        store: Store,
+        store: CheckpointStore,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: TrainState,

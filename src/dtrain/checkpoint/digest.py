@@ -26,6 +26,7 @@ from dtrain.files.digests import (
     mismatch,
     read_marker,
 )
+from dtrain.process import compat
 
 T = TypeVar("T")
 _warned: set[str] = set()
@@ -115,7 +116,6 @@ def hashing_writer(path: str, streams: Any = None) -> Any:
     `fs.digests`: names relative to `path`). `streams(name)`: an upload of the file `name`
     (relative to `path`) as it is written, or None; a `.tmp` file (DCP's `.metadata`, renamed
     once written) is never streamed."""
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
@@ -153,36 +153,19 @@ def hashing_writer(path: str, streams: Any = None) -> Any:
     def _relative(file: Any) -> str:
         return os.path.relpath(os.fspath(file), path)
 
-    writer = FileSystemWriter(path, sync_files=True)
-    writer.fs = HashingFileSystem()
-    return writer
+    return compat.dcp_writer(path, HashingFileSystem())
 
 
-def verifying_reader(reader: Any, folder: str, prefix: str, expected: dict[str, str] | None) -> Any:
-    """DCP's file-system `reader` of the checkpoint `folder`, hashing the files each rank's read
-    plan opens while DCP reads them. A mismatch is raised inside DCP's read step, so that DCP
-    reports it to every rank and none applies anything."""
+def verifying_read(
+    folder: str, prefix: str, expected: dict[str, str] | None
+) -> compat.ReadThrough | None:
+    """How DCP's reader of the checkpoint `folder` reads (`compat.dcp_reader`'s `read_through`):
+    hashing the files (below `prefix`) each rank's read plan opens while DCP reads them. A
+    mismatch is raised inside DCP's read step, so that DCP reports it to every rank and none
+    applies anything. None: nothing to check."""
     if not expected:
-        return reader
-    read_data = reader.read_data
-
-    def verified_read(plan: Any, planner: Any) -> Any:
-        names = sorted(
-            {reader.storage_data[item.storage_index].relative_path for item in plan.items}
-        )
-        background = Background(folder, [f"{prefix}/{n}" for n in names], expected)
-        try:
-            result = read_data(plan, planner)
-            result.wait()
-        except BaseException:
-            background.check()
-            raise
-        background.check()
-        return result
-
-    # The instance's method, so that the allow-listed reader `compat.dcp_reader` makes stays.
-    reader.read_data = verified_read
-    return reader
+        return None
+    return lambda names, read: checked(folder, [f"{prefix}/{n}" for n in names], expected, read)
 
 
 def checked_bytes(folder: str, name: str, data: bytes, expected: dict[str, str] | None) -> bytes:

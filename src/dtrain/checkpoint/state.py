@@ -123,8 +123,9 @@ def safe_reader(folder: str, expected: dict[str, str] | None = None) -> Any:
             local_path(shards, str(stored.relative_path), os.path.join(shards, ".metadata"))
         return metadata
 
-    reader = compat.dcp_reader(shards, read_metadata)
-    return digest.verifying_reader(reader, folder, DCP_DIR, expected)
+    return compat.dcp_reader(
+        shards, read_metadata, digest.verifying_read(folder, DCP_DIR, expected)
+    )
 
 
 def safe_planner() -> Any:

@@ -49,6 +49,7 @@ from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
 from dtrain.files.store import MARKER, Store, check_run_dir_entries, fsync_dir, read_marker
+from dtrain.files.store_protocol import CheckpointStore
 from dtrain.loop import evaluation
 from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock, log, setup_logging
@@ -163,7 +164,7 @@ def choose(run_dir: str, which: str, cfg: Config, listing_dir: str = "") -> Chos
     have completed and every file it lists must have its size. A run or a checkpoint in an
     object store is only named here (`fetched` makes the local copy)."""
     options = dict(cfg.run.storage_options)
-    store: Store
+    store: CheckpointStore
     if is_url(run_dir):  # listing only: Store.prepare would move folders
         store = remote_copies.listing(run_dir, options, listing_dir)
         remote_copies.checkpoints(store, "eval", run_dir)

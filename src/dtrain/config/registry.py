@@ -20,7 +20,7 @@ from dtrain.core.errors import UserError
 from dtrain.core.imports import TRUST_SWITCH, is_import_path
 
 if TYPE_CHECKING:
-    from dtrain.config import Config
+    from dtrain.config.schema import Config
 
 USER_PATH = "module:function"
 

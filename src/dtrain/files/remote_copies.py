@@ -16,7 +16,7 @@ from dtrain.core.errors import UserError
 from dtrain.files.digests import MARKER, parse_marker
 from dtrain.files.objstore import ObjectStore, PreconditionFailed, join
 from dtrain.files.remote_store import RemoteStore, fetch_checkpoint
-from dtrain.files.store import Entry
+from dtrain.files.store_protocol import Entry
 
 __all__ = [
     "ObjectStore",
@@ -36,7 +36,7 @@ __all__ = [
 def listing(run_url: str, options: dict[str, Any], into: str) -> RemoteStore:
     """The checkpoints of the run at `run_url`, to list and choose from (`into`: a local folder
     the listing may use, never the run's)."""
-    return RemoteStore(into, ObjectStore(run_url, options), options)
+    return RemoteStore(into, ObjectStore(run_url, options))
 
 
 def checkpoints(store: RemoteStore, command: str, run_url: str) -> list[Entry]:

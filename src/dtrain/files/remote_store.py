@@ -28,24 +28,28 @@ from dtrain.core.errors import UserError
 from dtrain.core.logs import log
 from dtrain.files.digests import ALGORITHM, MARKER, parse_marker, seal, verify_files
 from dtrain.files.keys import local_path
-from dtrain.files.objstore import TIMEOUT_S, ObjectStore, StreamingUpload
-from dtrain.files.store import CHECKPOINTS, LATEST, RECORD_FILES, SUPERSEDED, Entry, Store
+from dtrain.files.objstore import TIMEOUT_S, ObjectStore
+from dtrain.files.store import CHECKPOINTS, LATEST, RECORD_FILES, SUPERSEDED, Store
+from dtrain.files.store_protocol import Entry
+from dtrain.files.streaming_upload import StreamingUpload
 
 
 class RemoteStore(Store):
-    """Checkpoints in `objects` (the run's prefix); `run_dir` is this node's staging folder,
-    where each rank writes its files of a save before it uploads them."""
+    """Checkpoints in `objects` (the run's prefix), a `CheckpointStore`; `run_dir` is this
+    node's staging folder, where each rank writes its files of a save before it uploads them.
+    `before_marker` is called before each marker is written: a run's records up to the
+    checkpoint go up first, so that a resume from it never finds them short (a gap before its
+    step)."""
 
-    def __init__(self, run_dir: str, objects: ObjectStore, options: dict[str, Any]) -> None:
-        super().__init__(run_dir)
+    def __init__(
+        self, run_dir: str, objects: ObjectStore, before_marker: Callable[[], None] = lambda: None
+    ) -> None:
+        super().__init__(run_dir, objects.options, objects.timeout_s)
         self.objects = objects
         self.checkpoints = objects.child(CHECKPOINTS)
         self.location = self.checkpoints.url
-        self.options = dict(options)
         self.retries_saves = True  # a connection lost or the store overloaded: it passes
-        # Called before each marker is written: the run's records up to the checkpoint go up
-        # first, so that a resume from it never finds them short (a gap before its step).
-        self.before_marker: Callable[[], None] = lambda: None
+        self.before_marker = before_marker
         self._streamed: set[tuple[str, str]] = set()  # (save, file) uploaded as it was written
         self._lock = threading.Lock()  # DCP writes a rank's files in threads
 

@@ -28,10 +28,9 @@ import fcntl
 import json
 import math
 import os
-import re
 import shutil
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from dtrain.core.errors import CheckpointError, UserError, first_line
@@ -40,6 +39,7 @@ from dtrain.core.monitor import best_order
 from dtrain.files import names
 from dtrain.files.digests import ALGORITHM, MARKER, file_digest, read_marker, seal
 from dtrain.files.objstore import TIMEOUT_S
+from dtrain.files.store_protocol import Entry, Upload
 
 LATEST = "latest"
 LOCK_FILE = names.LOCK
@@ -49,7 +49,6 @@ TMP_PREFIX = ".tmp-"
 FETCHED_PREFIX = ".fetched-"  # a checkpoint of an object store, copied here to be read
 # What a run leaves beside its checkpoints that belongs to the same history.
 RECORD_FILES = (names.METRICS, names.TENSORBOARD)
-_LEGACY_NAME = re.compile(r"^step_(\d+)-epoch_(\d+)(?:-([A-Za-z_]+)_(-?[0-9.]+|nan|inf))?$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,50 +193,26 @@ def _read_holder(fd: int) -> str:
 # Checkpoints in the order they were saved
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A complete checkpoint: its folder name and marker."""
-
-    name: str
-    path: str
-    marker: dict[str, Any]
-
-    @property
-    def seq(self) -> int:
-        return int(self.marker.get("seq", 0))
-
-    @property
-    def step(self) -> int:
-        return int(self.marker.get("step", 0))
-
-    def metric(self, monitor: str) -> float | None:
-        """The monitored value at this checkpoint (None when it was not evaluated there)."""
-        if "metric" in self.marker:
-            if self.marker["metric"] != monitor or self.marker.get("value") is None:
-                return None
-            return float(self.marker["value"])
-        match = _LEGACY_NAME.match(self.name)  # markers written before the metric was in them
-        if match and match.group(3) == monitor and match.group(4) is not None:
-            return float(match.group(4))
-        return None
-
-
 class Store:
-    """The checkpoints of one run directory. Only rank 0 changes it."""
+    """The checkpoints of one run directory on this disk (a `CheckpointStore`). Only rank 0
+    changes it. `options` and `timeout_s`: the object store's (run.storage_options,
+    run.store_timeout_s), for a checkpoint named by its URL (ckpt.resume)."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        options: Mapping[str, Any] | None = None,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
         self.run_dir = run_dir
         self.dir = os.path.join(run_dir, CHECKPOINTS)  # where saves are written first
         self.location = self.dir  # where the checkpoints are, for messages
-        self.options: dict[str, Any] = {}  # the object store's (run.storage_options)
-        self.timeout_s = TIMEOUT_S  # and the deadline of each request to it (run.store_timeout_s)
-        # Whether a failed save may pass (training goes on, the next save tries again): not on
-        # a disk, where it fails for reasons that stay (full, read-only).
-        self.retries_saves = False
+        self.options = dict(options or {})
+        self.timeout_s = timeout_s
+        self.retries_saves = False  # a disk fails for reasons that stay (full, read-only)
 
-    def streaming(self, name: str, rel: str) -> Any:
-        """An upload of the save `name`'s file `rel` while it is written, where the store is not
-        this disk (None here: it is written where it stays)."""
+    def streaming(self, name: str, rel: str) -> Upload | None:
+        """None: a file of a save on this disk is written where it stays."""
         return None
 
     def upload(self, name: str, tmp: str, files: list[str]) -> None:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtrain.process import compat
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -86,16 +88,8 @@ class Precision:
         the scaler does not say). Only for a scaled precision."""
         assert self.scaler is not None, "an unscaled step is the optimizer's own"
         self.scaler.step(optimizer)
-        skipped = self._overflowed(optimizer)  # read before update() forgets it
+        found = compat.scaler_found_inf(self.scaler, optimizer)  # before update() forgets it
         self.scaler.update()
-        return skipped
-
-    def _overflowed(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        per_device = getattr(self.scaler, "_found_inf_per_device", None)
-        try:
-            found = list(per_device(optimizer).values()) if per_device is not None else []
-        except (KeyError, RuntimeError):
-            return None
         return torch.stack([f.reshape(()) for f in found]).sum() > 0 if found else None
 
     def loss_scale(self) -> float | None:

@@ -20,15 +20,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "NORM_LAYERS",
+    "ReadThrough",
     "TorchDispatchMode",
     "aten_ops",
     "dcp_planner",
     "dcp_reader",
+    "dcp_writer",
     "default_store",
     "is_in_place",
     "masked_step",
     "masked_step_supported",
     "missing_aten_ops",
+    "scaler_found_inf",
     "set_default_timeout",
     "shutdown_workers",
     "tensor_leaves",
@@ -107,6 +110,19 @@ def flag_nonfinite(tensors: list[torch.Tensor], found: torch.Tensor, one: torch.
     fused pass: the grad scaler's check, here with a scale `one` of exactly 1.0, so that no
     tensor changes a bit. The tensors must be dense, of one device and dtype."""
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """What the grad scaler found when it unscaled `optimizer`'s gradients for this step: one
+    flag per device (non-zero: an inf or a nan, the step skipped), read before `update()`
+    forgets them. Empty where this torch's scaler does not say, or did not unscale it."""
+    per_device = getattr(scaler, "_found_inf_per_device", None)
+    if per_device is None:
+        return []
+    try:
+        return list(per_device(optimizer).values())
+    except (KeyError, RuntimeError):
+        return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,9 +205,18 @@ def is_in_place(func: Any) -> bool:
 # Distributed checkpoints: reading without unpickling arbitrary objects
 
 
-def dcp_reader(path: str, read_metadata: Callable[[IO[bytes]], Any]) -> Any:
+# A read step of DCP's: given the files it opens (relative to the reader's folder) and the read
+# (which returns once every byte is read), it calls the read and returns what that returned.
+ReadThrough = Callable[[list[str], Callable[[], Any]], Any]
+
+
+def dcp_reader(
+    path: str, read_metadata: Callable[[IO[bytes]], Any], read_through: ReadThrough | None = None
+) -> Any:
     """DCP's file-system reader of `path`, reading its `.metadata` file with `read_metadata`
-    instead of pickle.load."""
+    instead of pickle.load; with `read_through`, each read step goes through it, given the
+    files that the rank's read plan opens (to check them while DCP reads them: an error raised
+    there is DCP's to report to every rank)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -204,7 +229,30 @@ def dcp_reader(path: str, read_metadata: Callable[[IO[bytes]], Any]) -> Any:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            if read_through is None:
+                return super().read_data(plan, planner)
+            names = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
+            read = super().read_data
+
+            def read_and_wait() -> Any:
+                future = read(plan, planner)
+                future.wait()
+                return future
+
+            return read_through(names, read_and_wait)
+
     return Reader(path)
+
+
+def dcp_writer(path: str, file_system: Any) -> Any:
+    """DCP's file-system writer of `path` (each file fsynced), creating and renaming its files
+    through `file_system` (a `torch.distributed.checkpoint.filesystem.FileSystem`)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = file_system
+    return writer
 
 
 def dcp_set_element(state: dict[str, Any], path: Any, value: Any) -> None:

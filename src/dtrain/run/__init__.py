@@ -22,6 +22,7 @@ from dtrain.files import names, outputs
 from dtrain.files.objstore import StoreUnanswered
 from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
+from dtrain.files.store_protocol import CheckpointStore
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
@@ -208,7 +209,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         dist.shutdown()
 
 
-def _interrupted(store: Store | None) -> Interrupted:
+def _interrupted(store: CheckpointStore | None) -> Interrupted:
     """The line of a run stopped at once: what it keeps is its last complete checkpoint (a save
     under way is left incomplete, and the next start clears it)."""
     stopped = "stopped at once by a second Ctrl-C"
@@ -235,9 +236,11 @@ def _train(
     remote: RemoteRun | None,
 ) -> str:
     run_dir = cfg.run_dir
-    store = remote.store(run_dir) if remote else Store(run_dir)
-    store.options = dict(cfg.run.storage_options)  # also for a ckpt.resume in a store
-    store.timeout_s = cfg.run.store_timeout_s
+    store = (  # the storage options also for a ckpt.resume in a store
+        remote.store(run_dir)
+        if remote
+        else Store(run_dir, cfg.run.storage_options, cfg.run.store_timeout_s)
+    )
     model = pieces.model
     optimizer = optim.build_optimizer(model, cfg.optim)
     schedule = optim.build_schedule(

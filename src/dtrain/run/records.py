@@ -29,7 +29,7 @@ from dtrain.core.errors import UserError
 from dtrain.files import names, runs_table
 from dtrain.files.objstore import ObjectStore, StoreUnanswered, is_url, join
 from dtrain.files.resume_policy import training_part
-from dtrain.files.store import Store
+from dtrain.files.store_protocol import CheckpointStore
 from dtrain.observe import clock, log
 from dtrain.process import slurm
 from dtrain.process.layout import Layout
@@ -88,7 +88,7 @@ def git_commit(cwd: str) -> str:
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
-def best_checkpoint(store: Store, monitor: str, mode: str) -> str:
+def best_checkpoint(store: CheckpointStore, monitor: str, mode: str) -> str:
     """The complete checkpoint with the best `monitor` value, as an absolute path or a URL (the
     table may be read from another directory); '' when none has one."""
     best = store.best(monitor, mode)
@@ -136,13 +136,13 @@ class RunRecord:
         self.world_size, self.is_main = world_size, is_main
         self.path = join(out_dir, FILE) if objects else os.path.join(out_dir, FILE)
         self.table = runs_table.Table(self.path, objects)
-        self.store: Store | None = None
+        self.store: CheckpointStore | None = None
         self.started = False
         self.ended = False
         self.attempt_start = time.monotonic()
         self.earlier_wall_s = 0.0
 
-    def start(self, store: Store, resuming: bool) -> None:
+    def start(self, store: CheckpointStore, resuming: bool) -> None:
         """Write the row as running; a run that resumed a checkpoint continues its earlier
         row. Called once every check of the launch has passed: a refused launch leaves the row
         as it was."""

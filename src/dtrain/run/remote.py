@@ -7,7 +7,7 @@ from dtrain.config import Config
 from dtrain.files.lease import Lease
 from dtrain.files.objstore import ObjectStore
 from dtrain.files.remote_store import RemoteStore
-from dtrain.files.store import Store
+from dtrain.files.store_protocol import CheckpointStore
 from dtrain.run.mirror import RecordMirror
 
 
@@ -17,20 +17,17 @@ class RemoteRun:
 
     def __init__(self, cfg: Config, rank: int) -> None:
         assert cfg.run_url is not None
-        options = dict(cfg.run.storage_options)
-        self.out = ObjectStore(cfg.run.out_dir, options, cfg.run.store_timeout_s)
+        self.out = ObjectStore(cfg.run.out_dir, cfg.run.storage_options, cfg.run.store_timeout_s)
         self.run = self.out.child(cfg.run_name)
-        self.options = options
         self.lease = Lease(self.run)
         self.mirror = RecordMirror(cfg.run_dir, self.run, cfg.run.upload_every_s, rank)
         # Whether this launch got the run: one refused (another run holds it) uploads nothing;
         # its staging folder may hold records of an older attempt, or the other run's own.
         self.claimed = False
 
-    def store(self, run_dir: str) -> Store:
-        store = RemoteStore(run_dir, self.run, self.options)
-        store.before_marker = self.mirror.sync  # the records up to a checkpoint, before it
-        return store
+    def store(self, run_dir: str) -> CheckpointStore:
+        # The records up to a checkpoint go up before its marker.
+        return RemoteStore(run_dir, self.run, before_marker=self.mirror.sync)
 
     def close(self, answering: bool = True) -> None:
         """The last upload of the records, then the lease goes; neither when the store stopped
