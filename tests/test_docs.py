@@ -100,11 +100,3 @@ def test_links_resolve(page: str) -> None:
     if page == "README.md":
         assert len(LINK.findall(path.read_text(encoding="utf-8"))) >= 10
 
-
-def test_no_module_over_500_lines() -> None:
-    long = {
-        str(p.relative_to(REPO)): n
-        for p in (REPO / "src").rglob("*.py")
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
-    }
-    assert not long, f"modules over 500 lines (split them along a seam): {long}"
