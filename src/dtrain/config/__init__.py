@@ -17,6 +17,7 @@ import yaml
 from dtrain.config.build import all_keys, build, flatten, to_dict, unknown_key
 from dtrain.config.checks import cross_checks
 from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
+from dtrain.config.log import LogConfig, ProfileConfig
 from dtrain.config.model import LoraConfig, ModelConfig
 from dtrain.config.plain_yaml import DuplicateKey
 from dtrain.config.plain_yaml import load as load_yaml
@@ -29,10 +30,8 @@ from dtrain.config.schema import (
     EarlyStopConfig,
     EmaConfig,
     FSDPConfig,
-    LogConfig,
     OptimConfig,
     ParallelConfig,
-    ProfileConfig,
     RunConfig,
     SchedConfig,
     SlurmConfig,
