@@ -105,6 +105,15 @@ def unwrapped(text: str) -> str:
     return re.sub(r"\n" + STAMP + r"(?:\[rank \d+\] )?  (?=\S)", " ", text)
 
 
+def run_facts(cfg):  # noqa: ANN001, ANN201 - dtrain is imported when used
+    """What a run's sinks are told about it, made from a loaded config as `dtrain train` does."""
+    from dtrain.config import flatten, to_dict
+    from dtrain.observe import RunFacts
+
+    monitor = (cfg.ckpt.monitor, cfg.ckpt.monitor_mode)
+    return RunFacts(cfg.run_name, cfg.run.out_dir, monitor, flatten(to_dict(cfg)))
+
+
 def torchrun_cmd(nproc: int, nnodes: int = 1, extra: Optional[list] = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             f"--nnodes={nnodes}", "--rdzv-backend=c10d",

@@ -23,6 +23,7 @@ from conftest import latest, launch, unwrapped
 
 from dtrain import cli, config
 from dtrain.commands.tokenize import command as tokenize
+from dtrain.commands.tokenize.settings import Settings
 from dtrain.core.errors import UserError
 from dtrain.data import build, node_copy
 from dtrain.data.text import python_docs
@@ -91,10 +92,10 @@ def chat(tmp_path_factory) -> dict:
            {"messages": [{"role": "user", "content": long_question}]},
            {"messages": conversation(101)}]
     out = root / "tokens"
-    meta = tokenize.tokenize([str(write_jsonl(root / "train.jsonl", train))], str(out),
-                             tokenizer_path=str(folder), chat=True, seq_len=SEQ,
-                             val_inputs=[str(write_jsonl(root / "val.jsonl", val))],
-                             stream=io.StringIO())
+    meta = tokenize.tokenize(Settings([str(write_jsonl(root / "train.jsonl", train))], str(out),
+                                      tokenizer_path=str(folder), chat=True, seq_len=SEQ,
+                                      val_inputs=[str(write_jsonl(root / "val.jsonl", val))]),
+                             io.StringIO())
     return {"root": root, "model": folder, "own": own, "out": out, "meta": meta,
             "rows": {"train": train, "val": val}}
 

@@ -63,7 +63,7 @@ def test_steps_follow_the_loaders_rule() -> None:
         cfg = _cfg(f"data.batch_size={batch}", f"train.grad_accum={accum}",
                    f"data.drop_last={str(drop_last).lower()}", "train.epochs=3")
         layout = resolve(cfg, _env(world), torch.device("cpu"))
-        steps = epoch_steps(layout, cfg, size)
+        steps = epoch_steps(layout, cfg.train, cfg.data, size)
         train = torch.utils.data.TensorDataset(torch.zeros(size))
         for rank in range(world):
             loaders = data.loaders(train, train, cfg=cfg.data, seed=0, rank=rank, world_size=world,
@@ -72,10 +72,11 @@ def test_steps_follow_the_loaders_rule() -> None:
         assert steps.per_epoch == steps.batches_per_epoch // accum
         assert steps.total == 3 * steps.per_epoch
     cfg = _cfg("train.max_steps=5")
-    assert epoch_steps(resolve(cfg, _env(2), torch.device("cpu")), cfg, 512).total == 5
+    layout = resolve(cfg, _env(2), torch.device("cpu"))
+    assert epoch_steps(layout, cfg.train, cfg.data, 512).total == 5
     cfg = _cfg("train.grad_accum=64")
     with pytest.raises(UserError, match="fewer than train.grad_accum=64"):
-        epoch_steps(resolve(cfg, _env(2), torch.device("cpu")), cfg, 512)
+        epoch_steps(resolve(cfg, _env(2), torch.device("cpu")), cfg.train, cfg.data, 512)
 
 
 def test_plan_and_layout_agree_with_the_launch_they_describe() -> None:
@@ -85,7 +86,7 @@ def test_plan_and_layout_agree_with_the_launch_they_describe() -> None:
     assert estimate.fsdp_shards == layout.shards == 2
     assert estimate.checkpoint_format == layout.checkpoint_format == "sharded"
     assert estimate.effective_batch == layout.effective_batch == 16 * 4 * 2
-    assert estimate.steps_per_epoch == epoch_steps(layout, cfg, 512).per_epoch
+    assert estimate.steps_per_epoch == epoch_steps(layout, cfg.train, cfg.data, 512).per_epoch
 
 
 def test_console_lines_between_agreements_show_the_last_loss_read(run_dir: Path) -> None:

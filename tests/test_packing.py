@@ -22,6 +22,7 @@ from test_chat_data import documents, loss_by_document, save_tokenizer
 
 from dtrain import cli
 from dtrain.commands.tokenize import command as tokenize
+from dtrain.commands.tokenize.settings import Settings
 from dtrain.config import ModelConfig
 from dtrain.data.text import python_docs
 from dtrain.models import GPT, hf
@@ -56,8 +57,8 @@ def packed(tmp_path_factory) -> dict:
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     out = root / "tokens"
     stream = io.StringIO()
-    meta = tokenize.tokenize([str(root / "docs.jsonl")], str(out), tokenizer_path=str(model),
-                             pack=True, seq_len=SEQ, stream=stream)
+    meta = tokenize.tokenize(Settings([str(root / "docs.jsonl")], str(out),
+                                      tokenizer_path=str(model), pack=True, seq_len=SEQ), stream)
     torch.manual_seed(0)
     folders = {}
     for name, made in (

@@ -18,7 +18,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
-from conftest import dtrain, launch
+from conftest import dtrain, launch, run_facts
 
 from dtrain import cli
 from dtrain.config import load
@@ -240,7 +240,7 @@ def test_a_resumed_trial_keeps_its_hparams_row(tmp_path: Path) -> None:
                       "data.batch_size=16", "log.tensorboard=true"])
     run_dir = folder / "b"
     run_dir.mkdir()
-    run_log = RunLog(cfg, str(run_dir), True, 0)
+    run_log = RunLog(cfg.log, run_facts(cfg), str(run_dir), True, 0)
     assert not (run_dir / "tb").exists()  # nothing before the first record
     run_log.evaluation({"step": 3, "epoch": 0, "val_loss": 0.5, "val_acc": 0.3})
     run_log.close()  # killed: no hparams call
@@ -249,7 +249,7 @@ def test_a_resumed_trial_keeps_its_hparams_row(tmp_path: Path) -> None:
     assert content["_hparams_/session_start_info"].session_start_info.hparams[
         "optim.lr"].number_value == 0.2
 
-    run_log = RunLog(cfg, str(run_dir), True, 3)
+    run_log = RunLog(cfg.log, run_facts(cfg), str(run_dir), True, 3)
     run_log.evaluation({"step": 6, "epoch": 0, "val_loss": 0.25, "val_acc": 0.6})
     run_log.hparams(6, {"val_loss": 0.25, "val_acc": 0.6, "best_val_acc": 0.6})
     run_log.close()
@@ -269,7 +269,7 @@ def test_a_resumed_trial_keeps_its_hparams_row(tmp_path: Path) -> None:
 def test_a_run_outside_a_sweep_has_main_keys_only(tmp_path: Path) -> None:
     cfg = load(None, [f"run.out_dir={tmp_path}", "run.name=solo", "log.tensorboard=true"])
     (tmp_path / "solo").mkdir()
-    run_log = RunLog(cfg, str(tmp_path / "solo"), True, 0)
+    run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path / "solo"), True, 0)
     run_log.hparams(4, {"val_loss": 0.5, "best_val_acc": None})
     run_log.close()
     experiment = hparams_content(tmp_path / "solo")["_hparams_/experiment"].experiment

@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.compat.proto.event_pb2 import SessionLog
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from conftest import run_facts
 from dtrain.config import flatten, load, to_dict
 from dtrain.observe import Record, RunLog, build_sinks, clock, log, setup_logging
 
@@ -65,8 +66,8 @@ def read_tb(run_dir: Path) -> EventAccumulator:
 def test_a_custom_sink_gets_exactly_the_records_of_metrics_jsonl(tmp_path: Path) -> None:
     cfg = load(None, ["log.tensorboard=false", "optim.lr=0.05"])
     spy = Spy()
-    run_log = RunLog(cfg, str(tmp_path), True, 0,
-                     sinks=[*build_sinks(cfg, str(tmp_path), 0, None), spy])
+    run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 0,
+                     sinks=[*build_sinks(cfg.log, run_facts(cfg), str(tmp_path), 0, None), spy])
     feed(run_log, range(1, 7))
     run_log.hparams(6, {"val_loss": 0.5, "best_val_acc": None})
     run_log.close()
@@ -107,8 +108,8 @@ def test_other_ranks_write_nothing_but_log_evaluations(tmp_path: Path) -> None:
     log.addHandler(handler)
     try:
         spy = Spy()
-        run_log = RunLog(load(None, ["log.tensorboard=true"]), str(tmp_path), False, 0,
-                         sinks=[spy])
+        cfg = load(None, ["log.tensorboard=true"])
+        run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path), False, 0, sinks=[spy])
         feed(run_log, range(1, 7))
         run_log.hparams(6, {"val_loss": 0.5})
         run_log.close()
@@ -127,21 +128,22 @@ def test_resume_drops_later_records_and_keeps_them_aside(tmp_path: Path) -> None
                             for s in range(1, 7)) + '{"step": 7, "epo')  # torn by a kill
     aside = tmp_path / "superseded" / "20250101-000000"
     aside.mkdir(parents=True)
-    run_log = RunLog(cfg, str(tmp_path), True, 3, str(aside))
+    run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 3, str(aside))
     assert [r["step"] for r in records(path)] == [1, 2, 3]
     assert [r["step"] for r in records(aside / "metrics.jsonl")] == [4, 5, 6]
     feed(run_log, range(4, 5))
     assert [r["step"] for r in records(path)] == [1, 2, 3, 4]  # on disk before close
     run_log.close()
 
-    RunLog(cfg, str(tmp_path), True, 2).close()  # no rewind: the dropped records just go
+    # No rewind: the dropped records just go.
+    RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 2).close()
     assert [r["step"] for r in records(path)] == [1, 2]
     assert [r["step"] for r in records(aside / "metrics.jsonl")] == [4, 5, 6]
 
 
 def test_tensorboard_tags_and_a_resume_that_purges(tmp_path: Path) -> None:
     cfg = load(None, ["log.tensorboard=true"])
-    run_log = RunLog(cfg, str(tmp_path), True, 0)
+    run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 0)
     assert not (tmp_path / "tb").exists()  # made at the first record, not before
     feed(run_log, range(1, 7))
     acc = read_tb(tmp_path)  # flushed at every record: readable while the run goes on
@@ -166,7 +168,7 @@ def test_tensorboard_tags_and_a_resume_that_purges(tmp_path: Path) -> None:
     [first_file] = (tmp_path / "tb").iterdir()
 
     # A second attempt resumed at step 4 replaces what the first wrote after it.
-    run_log = RunLog(cfg, str(tmp_path), True, 4)
+    run_log = RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 4)
     feed(run_log, range(5, 7), loss_shift=10.0)
     run_log.close()
     acc = read_tb(tmp_path)
@@ -193,7 +195,8 @@ def test_a_damaged_metrics_file_is_kept_readable_and_never_stops_a_resume(
     path.write_bytes("".join(good[:2]).encode() + b"\xff\xfe garbage\n" + good[2].encode()
                      + b"\x00\x00\n" + b"[1, 2]\n" + "".join(good[3:]).encode()
                      + b'{"step": true}\n\x89PNG')
-    RunLog(load(None, ["log.tensorboard=false"]), str(tmp_path), True, 4).close()
+    cfg = load(None, ["log.tensorboard=false"])
+    RunLog(cfg.log, run_facts(cfg), str(tmp_path), True, 4).close()
     assert path.read_text(encoding="utf-8") == "".join(good[:4])
     assert [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()] == [
         f"{path}: left out 5 line(s) that cannot be read (torn by a kill, or damaged); the "

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:U
 
 from dtrain import cli
 from dtrain.commands.tokenize import command as tokenize, inputs as tokenize_inputs  # noqa: E402
+from dtrain.commands.tokenize.settings import Settings  # noqa: E402
 
 DOCS = [
     "Hello, world!\nA second line.\n",
@@ -207,8 +208,8 @@ def test_long_documents_are_read_in_pieces_without_changing_them(tmp_path, monke
     (tmp_path / "long.txt").write_text(doc)
     write_jsonl(tmp_path / "long.jsonl", [doc, "tiny"])
     out = tmp_path / "out"
-    meta = tokenize.tokenize([str(tmp_path / "long.txt"), str(tmp_path / "long.jsonl")], str(out),
-                             vocab_size=300, val_fraction=0.5)
+    meta = tokenize.tokenize(Settings([str(tmp_path / "long.txt"), str(tmp_path / "long.jsonl")],
+                                      str(out), vocab_size=300, val_fraction=0.5))
     check(out, [doc, doc, "tiny"])
     assert meta["documents"]["train"] + meta["documents"]["val"] == 4  # one divided by the cut
 

@@ -23,8 +23,9 @@ from dtrain import config
 from dtrain.commands.plan import command as plan
 from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
-from dtrain.data import build, tokens
+from dtrain.data import build
 from dtrain.data import sampler as sampler_mod
+from dtrain.data import windows as windows_mod
 from dtrain.data.sampler import ResumableSampler, SeededBijection
 from dtrain.data.text import python_docs
 
@@ -209,7 +210,7 @@ def test_a_folder_of_text_files_is_mapped_as_the_files_joined_by_newlines(tmp_pa
     # more files than a Span keeps mapped at once, one of them empty
     cuts = [0, 1000, 1000, *range(1100, 40000, 97)]
     pieces = [corpus[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert len(pieces) > 2 * tokens._OPEN_MAPS
+    assert len(pieces) > 2 * windows_mod._OPEN_MAPS
     for k, piece in enumerate(pieces):
         (folder / f"{k:04d}.txt").write_bytes(piece)
     joined = b"\n".join(pieces)

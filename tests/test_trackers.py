@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Result, kill_when, launch, saved_step, start
+from conftest import Result, kill_when, launch, run_facts, saved_step, start
 
-from dtrain.config import load
+from dtrain.config import Config, load
 from dtrain.observe import JsonlSink, Record, RunLog, log, setup_logging, trackers
 from dtrain.observe.trackers import CLOSE_WAIT_S, RunInfo, StateFile, TrackerSink
 
@@ -326,7 +326,7 @@ def attempt(run_dir: Path, tracker: FakeTracker, resumed_step: int, steps: range
             end: bool = True) -> float:
     """One attempt of a run with metrics.jsonl and the fake tracker; the longest write()."""
     cfg = load(None, [f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"])
-    info = trackers.run_info(cfg, str(run_dir))
+    info = trackers.run_info(run_facts(cfg), str(run_dir))
     state = StateFile(str(run_dir / "trackers.json"))
     jsonl_sink = JsonlSink(str(run_dir / "metrics.jsonl"), resumed_step)
     sink = TrackerSink("fake", tracker, info, state.data.get("fake"), state, resumed_step)
@@ -416,13 +416,16 @@ def test_a_new_history_gets_a_new_mlflow_run_holding_what_metrics_jsonl_keeps(
         for step in steps:
             run_log.train({"step": step, "epoch": 0, "loss": shift + 1.0 / step}, {}, step, True)
 
-    first = RunLog(load(None, overrides), str(run_dir), True, 0)
+    def run_log(cfg: Config, resumed_step: int, superseded: str | None = None) -> RunLog:
+        return RunLog(cfg.log, run_facts(cfg), str(run_dir), True, resumed_step, superseded)
+
+    first = run_log(load(None, overrides), 0)
     feed(first, range(1, 9), 0.0)
     first.close()
     old_id = sent(run_dir, "mlflow")["run_id"]
     aside = run_dir / "superseded" / "t"
     aside.mkdir(parents=True)
-    rewound = RunLog(load(None, [*overrides, "train.epochs=3"]), str(run_dir), True, 4, str(aside))
+    rewound = run_log(load(None, [*overrides, "train.epochs=3"]), 4, str(aside))
     feed(rewound, range(5, 7), 10.0)  # a different history from step 5 on
     rewound.close()
     assert warnings == []
@@ -439,7 +442,7 @@ def test_a_new_history_gets_a_new_mlflow_run_holding_what_metrics_jsonl_keeps(
     assert new.data.params["train.epochs"] == "3"
 
     # Resumed again without a rewind, with a changed key: the same run, the param kept.
-    again = RunLog(load(None, [*overrides, "train.epochs=4"]), str(run_dir), True, 6)
+    again = run_log(load(None, [*overrides, "train.epochs=4"]), 6)
     feed(again, range(7, 8), 10.0)
     again.close()
     run = client.get_run(new_id)
@@ -459,12 +462,12 @@ def test_tags_name_the_slurm_job_and_a_sweeps_trials_share_its_experiment(
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     cfg = load(None, [f"run.out_dir={sweep}", "run.name=optim.lr=0.1", "optim.lr=0.1"])
-    info = trackers.run_info(cfg, str(sweep / "optim.lr=0.1"))
+    info = trackers.run_info(run_facts(cfg), str(sweep / "optim.lr=0.1"))
     assert (info.name, info.experiment, info.group) == ("optim.lr=0.1", "lr-sweep", "lr-sweep")
     assert {k: v for k, v in info.tags.items() if k.startswith("slurm")} == {
         "slurm_job_id": "1234", "slurm_array_job_id": "1200", "slurm_array_task_id": "3"}
     assert info.tags["world_size"] == "1" and info.params["optim.lr"] == "0.1"
     assert info.params["run.name"] == "optim.lr=0.1" and info.params["sched.warmup_steps"] == "0"
     # Not in a sweep: the run's own name.
-    alone = trackers.run_info(load(None, [f"run.out_dir={tmp_path}", "run.name=r"]), "x")
+    alone = trackers.run_info(run_facts(load(None, [f"run.out_dir={tmp_path}", "run.name=r"])), "x")
     assert (alone.experiment, alone.group) == ("r", None)

@@ -6,12 +6,9 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import sys
-from typing import TYPE_CHECKING, TextIO
+from typing import Protocol, TextIO
 
 from dtrain.core.columns import fitted
-
-if TYPE_CHECKING:
-    from dtrain.observe.progress import Progress
 
 log = logging.getLogger("dtrain")
 
@@ -52,13 +49,23 @@ def attach_log_files(path: str) -> None:
     log.addHandler(handler)
 
 
+class LiveLine(Protocol):
+    """A line redrawn in place on the console (the training's progress bar)."""
+
+    def erase(self) -> None:
+        """Take the line off the screen."""
+
+    def redraw(self) -> None:
+        """Put it back."""
+
+
 class ConsoleHandler(logging.StreamHandler):
     """The console handler. A log line first erases a live progress bar on the same terminal and
     redraws it below, so that lines and bar never run into each other."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
-        self.bar: Progress | None = None
+        self.bar: LiveLine | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         bar = self.bar

@@ -3,8 +3,9 @@
 `build` gives the train and validation datasets that `data.name` names and what a model builder
 needs to know about them (`info`: number of classes, channels and image size for images; vocabulary
 and window length for text and token files; what a user's dataset declares). Modules: `sampler`
-(the order of samples), `images` (+ `decode`), `text`, `tokens` (+ `mix`), `hf` and `user` (the
-datasets' builders), `loaders` (the `Datasets` and `Loaders` types, collate, device).
+(the order of samples), `images` (+ `decode`, `transforms`), `text`, `tokens` (+ `windows`, `mix`),
+`hf` (+ `hf_rows`) and `user` (the datasets' builders), `loaders` (the `Datasets` and `Loaders`
+types, collate, device).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import inspect
 
 from dtrain.config import DataConfig, registry
-from dtrain.data.images import ImageDataset, Normalize, Transform
+from dtrain.data.images import ImageDataset
 from dtrain.data.loaders import (
     Datasets,
     Loaders,
@@ -28,6 +29,7 @@ from dtrain.data.loaders import (
 )
 from dtrain.data.sampler import EvalSampler, ResumableSampler, sample_random
 from dtrain.data.text import seq_len_of
+from dtrain.data.transforms import Normalize, Transform
 
 __all__ = [
     "Datasets",

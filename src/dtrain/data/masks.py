@@ -27,7 +27,7 @@ from dtrain.files import names
 from dtrain.files.digests import file_digest
 
 if TYPE_CHECKING:
-    from dtrain.data.tokens import Span
+    from dtrain.data.windows import Span
 
 # How many mask bytes are counted at a time, for a folder whose meta.json does not say.
 _COUNT_CHUNK = 1 << 24

@@ -33,15 +33,8 @@ from dtrain.data import masks as loss_masks
 from dtrain.data import tokens as one_folder
 from dtrain.data.loaders import NO_SAMPLES, Datasets, Stacked
 from dtrain.data.sampler import SampleKey, epoch_and_index, index_of, sample_random, seeded_order
-from dtrain.data.tokens import (
-    Folder,
-    Windows,
-    check_ids,
-    count_windows,
-    enough_windows,
-    masks_note,
-    read_folder,
-)
+from dtrain.data.tokens import Folder, enough_windows, masks_note, read_folder
+from dtrain.data.windows import Windows, check_ids, count_windows
 from dtrain.files import names
 
 # Orders of sources' cycles each process keeps (a batch seldom spans more than two per source).

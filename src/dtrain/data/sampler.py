@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from dtrain.config import Config
+from dtrain.config import DataConfig, TrainConfig
 from dtrain.core.errors import UserError
 from dtrain.process.layout import Layout, Steps
 
@@ -227,17 +227,15 @@ class Prefix(Dataset):
         return getitems(keys) if getitems is not None else [self.dataset[k] for k in keys]
 
 
-def epoch_steps(layout: Layout, cfg: Config, train_size: int) -> Steps:
+def epoch_steps(layout: Layout, train: TrainConfig, data: DataConfig, train_size: int) -> Steps:
     """Steps for a training set of `train_size` samples, by the loaders' own rule: the
     sampler gives each rank its share, the loader cuts it into batches, and
     `train.grad_accum` batches make a step (train.overfit_batches: a fixed prefix)."""
-    if cfg.train.overfit_batches:
-        train_size = min(
-            train_size, cfg.train.overfit_batches * layout.batch_size * layout.world_size
-        )
-    per_rank = len(ResumableSampler(train_size, 0, layout.world_size, 0, False, cfg.data.drop_last))
+    if train.overfit_batches:
+        train_size = min(train_size, train.overfit_batches * layout.batch_size * layout.world_size)
+    per_rank = len(ResumableSampler(train_size, 0, layout.world_size, 0, False, data.drop_last))
     batches = per_rank // layout.batch_size
-    if not cfg.data.drop_last and per_rank % layout.batch_size:
+    if not data.drop_last and per_rank % layout.batch_size:
         batches += 1
     per_epoch = batches // layout.grad_accum
     if per_epoch < 1:
@@ -245,7 +243,7 @@ def epoch_steps(layout: Layout, cfg: Config, train_size: int) -> Steps:
             f"data error: an epoch has {batches} batches per rank, fewer than "
             f"train.grad_accum={layout.grad_accum}; lower one of them"
         )
-    total = cfg.train.epochs * per_epoch
-    if cfg.train.max_steps:
-        total = min(total, cfg.train.max_steps)
+    total = train.epochs * per_epoch
+    if train.max_steps:
+        total = min(total, train.max_steps)
     return Steps(batches_per_epoch=batches, per_epoch=per_epoch, total=total)

@@ -63,7 +63,7 @@ def images(cfg: DataConfig, seed: int) -> Datasets:
     """An image folder listed and a sample of its headers read (nothing decoded); the built-in
     sets by their known sizes. With the size and transform a run would choose, as a note."""
     from dtrain.data import images as image_data
-    from dtrain.data import synthetic
+    from dtrain.data import synthetic, transforms
 
     if cfg.name == "imagefolder":
         train_list, val_list = (image_data.list_split(cfg.root, s)[0] for s in ("train", "val"))
@@ -76,7 +76,7 @@ def images(cfg: DataConfig, seed: int) -> Datasets:
                 *image_data.header_sizes(val_list, skip),
             ]
         )
-        size, why = image_data.choose_size(cfg, headers)
+        size, why = transforms.choose_size(cfg, headers)
         train, val, channels = len(train_list.files), len(val_list.files), 3
         classes = len(train_list.classes)
     else:
@@ -90,7 +90,7 @@ def images(cfg: DataConfig, seed: int) -> Datasets:
         train, val, channels, native_size, classes = known
         size = cfg.image_size or native_size
         why = "their own size" if size == native_size else "data.image_size"
-    kind, kind_why = image_data.choose_transform(cfg, size)
+    kind, kind_why = transforms.choose_transform(cfg, size)
     info = {"num_classes": classes, "in_channels": channels, "image_size": size}
     return _sized(
         train, val, info, [f"images {size}x{size} ({why}), transform {kind} ({kind_why})"]

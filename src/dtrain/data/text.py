@@ -24,7 +24,7 @@ import torch
 from dtrain.config import DataConfig
 from dtrain.core.errors import UserError
 from dtrain.data.loaders import Datasets
-from dtrain.data.tokens import Span, Windows, count_windows, sampled
+from dtrain.data.windows import Span, Windows, count_windows, sampled
 
 VOCAB_SIZE = 256
 DEFAULT_SEQ_LEN = 256

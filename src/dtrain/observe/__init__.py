@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     )
     from dtrain.observe.progress import Progress, clock, format_record
     from dtrain.observe.runlog import RunLog, build_sinks
-    from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink
+    from dtrain.observe.sinks import JsonlSink, Record, RunFacts, Sink, TensorBoardSink
 
 _MODULE_OF = {
     **dict.fromkeys(
@@ -42,7 +42,9 @@ _MODULE_OF = {
     ),
     **dict.fromkeys(["Progress", "clock", "format_record"], "dtrain.observe.progress"),
     **dict.fromkeys(["RunLog", "build_sinks"], "dtrain.observe.runlog"),
-    **dict.fromkeys(["JsonlSink", "Record", "Sink", "TensorBoardSink"], "dtrain.observe.sinks"),
+    **dict.fromkeys(
+        ["JsonlSink", "Record", "RunFacts", "Sink", "TensorBoardSink"], "dtrain.observe.sinks"
+    ),
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "JsonlSink",
     "Progress",
     "Record",
+    "RunFacts",
     "RunLog",
     "Sink",
     "StartupClock",

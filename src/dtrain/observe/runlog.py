@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dtrain.config import Config, flatten, to_dict
+from dtrain.config import LogConfig
 from dtrain.core.logs import log
 from dtrain.files import names
 from dtrain.observe.progress import Progress, format_record
-from dtrain.observe.sinks import JsonlSink, Record, Sink, TensorBoardSink
+from dtrain.observe.sinks import JsonlSink, Record, RunFacts, Sink, TensorBoardSink
 from dtrain.observe.trackers import build_trackers
 
 
@@ -25,7 +25,8 @@ class RunLog:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: LogConfig,
+        facts: RunFacts,
         run_dir: str,
         is_main: bool,
         resumed_step: int,
@@ -33,17 +34,17 @@ class RunLog:
         *,
         sinks: Sequence[Sink] | None = None,
     ) -> None:
-        self.cfg, self.is_main = cfg, is_main
+        self.facts, self.is_main = facts, is_main
         # With every rank on the console, their lines would run into rank 0's bar: lines then.
-        style = "lines" if cfg.log.all_ranks else cfg.log.progress
-        self.progress = Progress(sys.stderr, style, cfg.log.every_s, shown=is_main)
+        style = "lines" if settings.all_ranks else settings.progress
+        self.progress = Progress(sys.stderr, style, settings.every_s, shown=is_main)
         self.sinks: list[Sink] = []
         self._session_started = False
         if is_main:
             self.sinks = (
                 list(sinks)
                 if sinks is not None
-                else build_sinks(cfg, run_dir, resumed_step, superseded)
+                else build_sinks(settings, facts, run_dir, resumed_step, superseded)
             )
 
     def _write(self, record: Record) -> None:
@@ -76,7 +77,7 @@ class RunLog:
     def _hparam_config(self) -> dict[str, Any]:
         return {
             key: (value if isinstance(value, (int, float, str, bool)) else str(value))
-            for key, value in flatten(to_dict(self.cfg)).items()
+            for key, value in self.facts.config.items()
         }
 
     def _start_session(self) -> None:
@@ -103,12 +104,14 @@ class RunLog:
             sink.close()
 
 
-def build_sinks(cfg: Config, run_dir: str, resumed_step: int, superseded: str | None) -> list[Sink]:
-    """The sinks the config asks for, on rank 0. `superseded` is where a rewind moved the
+def build_sinks(
+    settings: LogConfig, facts: RunFacts, run_dir: str, resumed_step: int, superseded: str | None
+) -> list[Sink]:
+    """The sinks the log section asks for, on rank 0. `superseded` is where a rewind moved the
     abandoned history (records dropped on resume go there too)."""
     sinks: list[Sink] = [JsonlSink(os.path.join(run_dir, names.METRICS), resumed_step, superseded)]
-    if cfg.log.tensorboard:
+    if settings.tensorboard:
         sinks.append(TensorBoardSink(os.path.join(run_dir, names.TENSORBOARD), resumed_step))
     # After metrics.jsonl is cut back to the resumed step: the trackers hold what it keeps.
-    sinks.extend(build_trackers(cfg, run_dir, resumed_step, superseded))
+    sinks.extend(build_trackers(settings, facts, run_dir, resumed_step, superseded))
     return sinks

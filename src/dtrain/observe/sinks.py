@@ -40,6 +40,17 @@ class Record:
         return int(self.values["step"])
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the sinks are told about the run besides its records; the assembly makes it from
+    the resolved config."""
+
+    name: str  # run.name, resolved
+    out_dir: str  # run.out_dir
+    monitor: tuple[str, str]  # ckpt.monitor and ckpt.monitor_mode
+    config: Mapping[str, Any]  # the resolved config, flattened to dotted keys
+
+
 class Sink(Protocol):
     """A destination of records. Called on rank 0 only, in step order, from the training loop:
     a sink must not call collectives, and should be quick (it runs between two steps)."""

@@ -31,12 +31,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dtrain.config import Config, flatten, to_dict
+from dtrain.config import LogConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
 from dtrain.files import metrics as metrics_file
 from dtrain.files import names
-from dtrain.observe.sinks import Record
+from dtrain.observe.sinks import Record, RunFacts
 
 # name -> (module, class, extra that installs its library).
 TRACKERS: dict[str, tuple[str, str, str]] = {
@@ -99,8 +99,8 @@ class Tracker(Protocol):
         """`finished`, `preempted` (a stop signal: the run will resume) or `failed`."""
 
 
-def tracker_settings(cfg: Config, name: str) -> Any:
-    return getattr(cfg.log, name)
+def tracker_settings(settings: LogConfig, name: str) -> Any:
+    return getattr(settings, name)
 
 
 def _tracker_class(name: str) -> Any:
@@ -108,15 +108,15 @@ def _tracker_class(name: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
-def check_installed(cfg: Config) -> None:
+def check_installed(settings: LogConfig) -> None:
     """Before any process group: every enabled tracker's library is importable, else one line
     naming the extra (exit 2). Looks the modules up without importing them (that takes a
     second or more; `build_trackers` does it, on rank 0 alone)."""
     for name, (_, _, extra) in TRACKERS.items():
-        settings = tracker_settings(cfg, name)
-        if not settings.enabled:
+        section = tracker_settings(settings, name)
+        if not section.enabled:
             continue
-        for module in _tracker_class(name).requires(settings):
+        for module in _tracker_class(name).requires(section):
             try:
                 found = importlib.util.find_spec(module) is not None
             except (ImportError, ValueError):
@@ -129,11 +129,11 @@ def check_installed(cfg: Config) -> None:
 
 
 def build_trackers(
-    cfg: Config, run_dir: str, resumed_step: int, superseded: str | None
+    settings: LogConfig, facts: RunFacts, run_dir: str, resumed_step: int, superseded: str | None
 ) -> list[TrackerSink]:
     """The enabled trackers' sinks (rank 0). Call after metrics.jsonl was cut back to
     `resumed_step`: what it keeps is what the trackers must hold."""
-    enabled = [n for n in TRACKERS if tracker_settings(cfg, n).enabled]
+    enabled = [n for n in TRACKERS if tracker_settings(settings, n).enabled]
     if not enabled:
         return []
     state = StateFile(os.path.join(run_dir, STATE_FILE))
@@ -143,32 +143,32 @@ def build_trackers(
         shutil.copy2(state.path, os.path.join(superseded, STATE_FILE))
     sinks = []
     for name in enabled:
-        info = run_info(cfg, run_dir)
+        info = run_info(facts, run_dir)
         saved = state.data.get(name)
         if new_history and saved:
             info.previous = str(saved.get("run_id"))
             saved = None
-        settings = tracker_settings(cfg, name)
+        section = tracker_settings(settings, name)
         # Imported here, on the training thread, before the first step: imported by the sender
         # thread, the library held module locks that the training thread could meet at the
         # run's end, waiting as long as the import took on a loaded machine.
-        for module in _tracker_class(name).requires(settings):
+        for module in _tracker_class(name).requires(section):
             importlib.import_module(module)
-        tracker = _tracker_class(name)(settings)
+        tracker = _tracker_class(name)(section)
         sink = TrackerSink(name, tracker, info, saved, state, resumed_step)
         sink.begin()
         sinks.append(sink)
     return sinks
 
 
-def run_info(cfg: Config, run_dir: str) -> RunInfo:
+def run_info(facts: RunFacts, run_dir: str) -> RunInfo:
     import torch
 
     import dtrain
     from dtrain.process import dist
 
-    out_dir = os.path.abspath(cfg.run.out_dir)
-    name = cfg.run_name
+    out_dir = os.path.abspath(facts.out_dir)
+    name = facts.name
     sweep = sweep_name(out_dir)
     tags = {
         "host": socket.gethostname(),
@@ -182,11 +182,10 @@ def run_info(cfg: Config, run_dir: str) -> RunInfo:
             tags["slurm_" + var[6:].lower()] = os.environ[var]
     params = {
         key: value if isinstance(value, str) else json.dumps(value, default=str)
-        for key, value in flatten(to_dict(cfg)).items()
+        for key, value in facts.config.items()
     }
-    monitor = (cfg.ckpt.monitor, cfg.ckpt.monitor_mode)
     return RunInfo(
-        name, sweep or name, sweep, os.path.abspath(run_dir), out_dir, params, tags, monitor
+        name, sweep or name, sweep, os.path.abspath(run_dir), out_dir, params, tags, facts.monitor
     )
 
 

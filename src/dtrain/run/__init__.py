@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dtrain import checkpoint, data, models
-from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
+from dtrain.config import DEFAULT_RUN_NAME, Config, dump, flatten, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
 from dtrain.core.logs import log_fitted
@@ -29,6 +29,7 @@ from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Callbacks, Trainer
 from dtrain.models.spec import spec_of
 from dtrain.observe import (
+    RunFacts,
     RunLog,
     StartupClock,
     Throughput,
@@ -156,7 +157,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
     layout = layout_mod.resolve(cfg, env)
-    check_trackers(cfg)  # an enabled tracker without its library: exit 2 before any process group
+    check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
@@ -290,7 +291,9 @@ def _train(
             write_atomic(os.path.join(run_dir, names.CONFIG), dump(cfg).encode("utf-8"))
         except OSError as e:  # a full disk at the start of a resume: one line, nothing lost
             raise outputs.output_error("train", run_dir, e) from None
-    run_log = RunLog(cfg, run_dir, dist.is_main(), state.step, checkpoints.superseded)
+    monitor = (cfg.ckpt.monitor, cfg.ckpt.monitor_mode)
+    facts = RunFacts(cfg.run_name, cfg.run.out_dir, monitor, flatten(to_dict(cfg)))
+    run_log = RunLog(cfg.log, facts, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     if remote is not None:
         remote.mirror.start()  # and before each checkpoint's marker (RemoteRun.store)
     pieces.notes.append(optim.describe_groups(optimizer))

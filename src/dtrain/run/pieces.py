@@ -81,7 +81,7 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
             f"overfit check: the same {overfit} batch(es) per rank every epoch, "
             f"augmentation off; the training loss should fall towards 0"
         )
-    steps = epoch_steps(layout, cfg, len(datasets.train))
+    steps = epoch_steps(layout, cfg.train, cfg.data, len(datasets.train))
     clock.mark("data")
     task, wrapped, precision, num_params = _model_and_task(
         cfg, layout, datasets, loaders.val, notes, clock

@@ -158,7 +158,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
     facts = plan_facts.model_facts(cfg, nproc, nnodes)
     layout, shards, shapes, model = facts.layout, facts.shards, facts.shapes, facts.model
     world = layout.world_size
-    steps = epoch_steps(layout, cfg, len(shapes.train))
+    steps = epoch_steps(layout, cfg.train, cfg.data, len(shapes.train))
     ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
     activations, note = _activations(model, cfg, shapes.info, low)

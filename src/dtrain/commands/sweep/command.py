@@ -235,7 +235,9 @@ def _check_trials(data: dict, folder: str) -> None:
     whose library is not installed, is found now, with the key named, and not when that trial
     starts (every trial would fail alike)."""
     for trial in data["trials"]:
-        trackers.check_installed(config.load(data["config"], trial_overrides(data, folder, trial)))
+        trackers.check_installed(
+            config.load(data["config"], trial_overrides(data, folder, trial)).log
+        )
 
 
 def _busy_jobs(data: dict) -> None:

@@ -26,11 +26,11 @@ a finished one.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
@@ -48,157 +48,220 @@ from dtrain.commands.tokenize.output import (
     publish,
     sync,
 )
-from dtrain.core.errors import UserError, first_line
-from dtrain.core.imports import require
+from dtrain.commands.tokenize.settings import Settings, check
+from dtrain.commands.tokenize.tokenizer import (
+    EOT,
+    TOKENIZER_FILE,
+    load_tokenizer,
+    threads,
+    token_bytes,
+    train_tokenizer,
+    use_workers,
+)
+from dtrain.core.errors import UserError
 from dtrain.files import names, outputs
 
-EOT = "<|endoftext|>"
-# The end-of-text tokens of common tokenizers (GPT-2 and most BPEs, Llama 3, Llama 2 and
-# Mistral, Gemma), looked for in that order in a given tokenizer.json.
-EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
-TOKENIZER_FILE = "tokenizer.json"
 PACKED_COUNTED = "every token but the first of each document and the padding"
 UINT16_VOCAB = 1 << 16
 BATCH_BYTES_PER_THREAD = 256 << 10
 
 
-def cores() -> int:
-    """The cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+@dataclass(frozen=True)
+class Inputs:
+    """The documents of each split, as the settings name them."""
+
+    train: list[Source]
+    val: list[Source]  # empty: the held-out part of `train`
+    column: str
 
 
-def threads(workers: int | None) -> int:
-    """How many threads encode: --workers, else every core this process may use."""
-    return workers or cores()
+@dataclass(frozen=True)
+class Chosen:
+    """The tokenizer that encodes, and where it came from."""
+
+    tokenizer: Any  # a tokenizers.Tokenizer
+    eot: str  # its end-of-text token
+    made_by: str  # for meta.json: the given tokenizer's path, or how it was trained
+    file: str | None  # the given tokenizer.json; None: trained here
+    templated: Any = None  # with --chat: the folder's tokenizer as transformers loads it
+    chat_layout: dict[str, Any] = field(default_factory=dict)  # with --chat: meta.json's "chat"
 
 
-def use_workers(workers: int | None) -> None:
-    """Size the tokenizer's thread pool. tokenizers runs encode_batch and training on rayon's
-    global pool, built on first use with RAYON_NUM_THREADS threads (all cores when unset), and
-    runs them on the calling thread alone when TOKENIZERS_PARALLELISM is false: so this must
-    come before the tokenizer's first use."""
-    if workers is None:
-        return
-    os.environ["RAYON_NUM_THREADS"] = str(workers)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if workers > 1 else "false"
+@dataclass(frozen=True)
+class Unfinished:
+    """The files being written into `out`, under .partial names until each is complete."""
+
+    out: str
+    files: dict[str, str]  # a final name -> its .partial path
+    index: str  # where each document ends (the held-out cut keeps documents whole); removed
+
+    def remove(self) -> None:
+        for path in [*self.files.values(), self.index, os.path.join(self.out, "meta.json.partial")]:
+            if os.path.exists(path):
+                os.remove(path)
 
 
-def load_tokenizer(path: str, eot: str | None) -> tuple[Any, str]:
-    """A tokenizer.json (or a model folder's: the model's own tokenizer) and its end-of-text
-    token: --eot, else a folder's `eos_token` (tokenizer_config.json), else the first of
-    EOT_NAMES in it."""
-    tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
-    if os.path.isdir(path):
-        eot = eot or _eos_token(path)
-        folder, path = path, os.path.join(path, TOKENIZER_FILE)
-        if not os.path.isfile(path):
-            raise UserError(
-                f"input error: --tokenizer: {folder} has no {TOKENIZER_FILE} (a fast "
-                f"tokenizer's file: save the tokenizer with save_pretrained, or name the file)"
-            )
-    if not os.path.isfile(path):
-        raise UserError(f"input error: --tokenizer: '{path}' not found")
+def tokenize(settings: Settings, stream: TextIO | None = None) -> dict[str, Any]:
+    """Tokenize the settings' inputs (or the built-in corpus) into their `out`; returns what
+    meta.json holds. With `chat`, the inputs are conversations, rendered by the --tokenizer
+    folder's chat template (each within `render_timeout` seconds), packed into windows of
+    `seq_len` tokens and masked (commands/tokenize/chat.py); with `pack`, plain documents are
+    packed so (commands/tokenize/blocks.py); a --chat folder's own tokenizer code runs only
+    with `trust_remote_code`.
+    Every mistake is a UserError, raised before anything is written or with everything
+    written so far removed. Progress goes to `stream` (default: stderr)."""
+    stream = stream or sys.stderr
+    check(settings)
+    inputs = _inputs_of(settings)
+    out = os.path.abspath(settings.out)
+    _check_out(out, settings.overwrite)
+    use_workers(settings.workers)
+    chosen = _choose_tokenizer(settings, inputs, stream)
+    meta = _meta(settings, chosen)
+    created = not os.path.isdir(out)
     try:
-        tokenizer = tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
-        raise UserError(f"input error: {path}: not a tokenizer.json ({first_line(e)})") from None
-    names = (eot,) if eot else EOT_NAMES
-    found = next((n for n in names if tokenizer.token_to_id(n) is not None), None)
-    if found is None:
-        raise UserError(
-            f"input error: {path}: no end-of-text token "
-            f"({'no ' + repr(eot) if eot else 'none of ' + ', '.join(EOT_NAMES)}); "
-            f"name the tokenizer's with --eot"
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise outputs.output_error("tokenize", out, e) from None
+    unfinished = _unfinished(out, settings, chosen)
+    try:
+        _write_folder(settings, inputs, chosen, meta, unfinished, stream)
+    except BaseException as e:
+        unfinished.remove()
+        if created and not os.listdir(out):
+            os.rmdir(out)
+        # A full disk: the files that were in `out` are as they were.
+        failed = (
+            outputs.write_failure("tokenize", out, e)
+            if isinstance(e, Exception) and not isinstance(e, UserError)
+            else None
         )
-    return tokenizer, found
+        if failed is not None:
+            raise failed from None
+        raise
+    if os.path.exists(unfinished.index):
+        os.remove(unfinished.index)
+    return meta
 
 
-def _eos_token(folder: str) -> str | None:
-    """The end-of-sequence token a model folder's tokenizer_config.json names, if any."""
-    try:
-        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(eos, dict):  # an AddedToken written out
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) and eos else None
+def _unfinished(out: str, settings: Settings, chosen: Chosen) -> Unfinished:
+    written = [names.token_file(s) for s in names.TOKEN_SPLITS]
+    if settings.packs:
+        written += [names.loss_mask(n) for n in written]
+    partial = {n: os.path.join(out, n + ".partial") for n in written}
+    target = os.path.join(out, TOKENIZER_FILE)
+    if chosen.file is None or not _same_file(chosen.file, target):
+        partial[TOKENIZER_FILE] = target + ".partial"
+    return Unfinished(out, partial, os.path.join(out, "documents.partial"))
 
 
-# The largest vocabulary trained here. The BPE trainer sizes its tables by it before it reads
-# any text: 10**9 aborts in its native code. 2**24 is far above any vocabulary in use (256 K).
-MAX_VOCAB = 1 << 24
+def _inputs_of(settings: Settings) -> Inputs:
+    column, chat = settings.text_column, settings.chat
+    if settings.corpus:
+        train = corpus_sources(settings.corpus)
+    else:
+        train = sources(settings.inputs, column, chat=chat)
+    val = sources(settings.val_inputs, column, "val", chat) if settings.val_inputs else []
+    return Inputs(train, val, column)
 
 
-# The longest window --seq-len packs documents in: a block is written whole (padding included),
-# and 2**24 tokens is far above any model's context; 2**40 died allocating its padding.
-MAX_SEQ_LEN = 1 << 24
+def _choose_tokenizer(settings: Settings, inputs: Inputs, stream: TextIO) -> Chosen:
+    """The given tokenizer (with --chat, also as transformers loads it), or one trained on the
+    training inputs."""
+    path = settings.tokenizer_path
+    if path is not None:
+        tokenizer, eot = load_tokenizer(path, settings.eot)
+        templated: Any = None
+        layout: dict[str, Any] = {}
+        if settings.chat:
+            templated = chat_data.load_tokenizer(path, settings.trust_remote_code)
+            layout = chat_data.meta_of(path, templated)
+        file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+        return Chosen(tokenizer, eot, os.path.abspath(path), file, templated, layout)
+    assert settings.vocab_size is not None
+    eot = settings.eot or EOT
+    reading = Progress(stream, "reading text for the tokenizer", _size(inputs.train))
+    texts = _texts(inputs.train, inputs.column, reading)
+    tokenizer = train_tokenizer(texts, settings.vocab_size, eot)
+    made_by = f"byte-level BPE trained on the INPUT text with --vocab-size {settings.vocab_size}"
+    return Chosen(tokenizer, eot, made_by, None)
 
 
-def check_numbers(
-    vocab_size: int | None,
-    seq_len: int | None,
-    workers: int | None,
-    render_timeout: float | None,
-    chat: bool,
+def _meta(settings: Settings, chosen: Chosen) -> dict[str, Any]:
+    """What meta.json says before any token is written."""
+    tokenizer = chosen.tokenizer
+    # A document's text is text even where it spells a special token, as in the files.
+    tokenizer.encode_special_tokens = True
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    meta: dict[str, Any] = {
+        "dtype": "uint16" if vocab <= UINT16_VOCAB else "uint32",
+        "vocab_size": vocab,
+        "eot_id": tokenizer.token_to_id(chosen.eot),
+        "eot": chosen.eot,
+    }
+    if settings.chat:
+        meta["chat"] = chosen.chat_layout
+    if settings.packs:
+        meta["packed"] = {"seq_len": settings.seq_len or packed.SEQ_LEN}
+    return meta
+
+
+def _about(settings: Settings, inputs: Inputs, chosen: Chosen) -> dict[str, Any]:
+    """What meta.json says of where its tokens came from (after the counts)."""
+    held_out = "windows" if settings.packs else "token stream"
+    about = {
+        "bytes_counted": chat_data.BYTES_COUNTED if settings.chat else BYTES_COUNTED,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_from": chosen.made_by,
+        "val_from": "the --val inputs"
+        if inputs.val
+        else f"the last {settings.val_fraction:g} of the {held_out}",
+        "val_fraction": None if inputs.val else settings.val_fraction,
+        "inputs": {"train": _listed(inputs.train), "val": _listed(inputs.val)},
+    }
+    if settings.chat:
+        about["mask"] = chat_data.COUNTED
+    elif settings.pack:
+        about["mask"] = PACKED_COUNTED
+    return about
+
+
+def _write_folder(
+    settings: Settings,
+    inputs: Inputs,
+    chosen: Chosen,
+    meta: dict[str, Any],
+    unfinished: Unfinished,
+    stream: TextIO,
 ) -> None:
-    """The numeric flags within what can be meant, before any work: a thousand million
-    --workers spent minutes starting threads on 100 KB of text."""
-    if vocab_size is not None and not 257 <= vocab_size <= MAX_VOCAB:
-        raise UserError(
-            f"usage error: --vocab-size must be from 257 (the 256 bytes and the end-of-text "
-            f"token) to {MAX_VOCAB} (2**24), not {vocab_size}"
+    """The tokenizer, the splits and meta.json, under their .partial names, then put in place."""
+    partial = unfinished.files
+    if TOKENIZER_FILE in partial:
+        if chosen.file is None:
+            chosen.tokenizer.save(partial[TOKENIZER_FILE])
+        else:
+            shutil.copyfile(chosen.file, partial[TOKENIZER_FILE])
+    if chosen.templated is not None:
+        splits = chat_data.write_splits(
+            chosen.templated,
+            meta,
+            settings.val_fraction,
+            inputs.train,
+            inputs.val,
+            inputs.column,
+            partial,
+            unfinished.index,
+            stream,
+            settings.render_timeout or chat_data.RENDER_TIMEOUT_S,
         )
-    if seq_len is not None and not 1 <= seq_len <= MAX_SEQ_LEN:
-        raise UserError(
-            f"usage error: --seq-len must be from 1 to {MAX_SEQ_LEN} (2**24), not {seq_len}"
-        )
-    if workers is not None and not 1 <= workers <= cores():
-        raise UserError(
-            f"usage error: --workers must be from 1 to {cores()} (the cores this process may "
-            f"use), not {workers}"
-        )
-    if render_timeout is not None:
-        if not chat:
-            raise UserError("usage error: --render-timeout goes with --chat")
-        if not 0 < render_timeout <= chat_data.MAX_RENDER_TIMEOUT_S:
-            raise UserError(
-                f"usage error: --render-timeout must be above 0 and at most "
-                f"{chat_data.MAX_RENDER_TIMEOUT_S:g} seconds, not {render_timeout:g}"
-            )
-
-
-def train_tokenizer(texts: Iterator[str], vocab_size: int, eot: str) -> Any:
-    """A byte-level BPE of `vocab_size` tokens (fewer when the text has too few pairs to merge)
-    with `eot` as its one special token, trained on `texts` as they stream by. It adds no
-    prefix space and decodes bytes back exactly, so decode(encode(text).ids) == text."""
-    tokenizers = require("tokenizers", "tokens", "dtrain tokenize")
-    byte_level = tokenizers.pre_tokenizers.ByteLevel
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = byte_level(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[eot],
-        initial_alphabet=byte_level.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer
-
-
-def token_bytes(tokenizer: Any) -> np.ndarray | None:
-    """Each id's length in bytes of text, where the tokenizer makes that exact (a byte-level
-    model without a normalizer: a token is one character per byte); None otherwise."""
-    config = json.loads(tokenizer.to_str())
-    if (config.get("decoder") or {}).get("type") != "ByteLevel" or config.get("normalizer"):
-        return None
-    lengths = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
-    for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
-        lengths[i] = len(token)
-    for i, added in tokenizer.get_added_tokens_decoder().items():
-        lengths[i] = 1 if added.special else len(added.content.encode("utf-8"))
-    return lengths
+    else:
+        splits = _write_splits(chosen.tokenizer, meta, settings, inputs, unfinished, stream)
+    for key in ("tokens", "bytes", "documents", *(("counted",) if settings.packs else ())):
+        meta[key] = {name: getattr(split, key) for name, split in splits.items()}
+    if settings.packs:
+        meta["packed"]["padding"] = {name: split.padding for name, split in splits.items()}
+    meta.update(_about(settings, inputs, chosen))
+    publish(unfinished.out, partial, meta)
 
 
 def _texts(from_sources: list[Source], column: str, progress: Progress) -> Iterator[str]:
@@ -215,177 +278,8 @@ def _texts(from_sources: list[Source], column: str, progress: Progress) -> Itera
     progress.finish()
 
 
-def _inputs(from_sources: list[Source]) -> list[dict[str, Any]]:
+def _listed(from_sources: list[Source]) -> list[dict[str, Any]]:
     return [{"path": p, "bytes": n} for s in from_sources for p, n in s.files.items()]
-
-
-def tokenize(
-    inputs: list[str],
-    out: str,
-    *,
-    vocab_size: int | None = None,
-    tokenizer_path: str | None = None,
-    corpus: str | None = None,
-    val_fraction: float = 0.1,
-    val_inputs: list[str] | None = None,
-    column: str | None = None,
-    workers: int | None = None,
-    overwrite: bool = False,
-    eot: str | None = None,
-    chat: bool = False,
-    pack: bool = False,
-    seq_len: int | None = None,
-    render_timeout: float | None = None,
-    stream: TextIO | None = None,
-    trust_remote_code: bool = False,
-) -> dict[str, Any]:
-    """Tokenize `inputs` (or the built-in `corpus`) into `out`; returns what meta.json holds.
-    With `chat`, the inputs are conversations, rendered by the --tokenizer folder's chat
-    template (each within `render_timeout` seconds), packed into windows of `seq_len` tokens
-    and masked (commands/tokenize/chat.py); with `pack`, plain documents are packed so
-    (commands/tokenize/blocks.py); a --chat folder's own tokenizer code runs only with
-    `trust_remote_code`.
-    Every mistake is a UserError, raised before anything is written or with everything
-    written so far removed. Progress goes to `stream` (default: stderr)."""
-    stream = stream or sys.stderr
-    if inputs and corpus:
-        raise UserError("usage error: give INPUT files or folders, or --corpus, not both")
-    if not inputs and not corpus:
-        raise UserError("usage error: give INPUT files or folders (or --corpus python_docs)")
-    if chat and (corpus or tokenizer_path is None):
-        raise UserError(
-            "usage error: --chat reads conversations from INPUT files with --tokenizer MODEL_DIR "
-            "(the folder of the tokenizer and its chat template)"
-        )
-    if seq_len is not None and not (chat or pack):
-        raise UserError(
-            "usage error: --seq-len goes with --chat or --pack (plain text is cut into windows "
-            "when training, by data.tokens.seq_len)"
-        )
-    check_numbers(vocab_size, seq_len, workers, render_timeout, chat)
-    column = column or ("messages" if chat else "text")
-    if (vocab_size is None) == (tokenizer_path is None):
-        raise UserError("usage error: give --vocab-size N (to train a tokenizer) or --tokenizer")
-    if not val_inputs and not 0 < val_fraction < 1:
-        raise UserError(f"usage error: --val-fraction must be between 0 and 1, not {val_fraction}")
-    train_sources = corpus_sources(corpus) if corpus else sources(inputs, column, chat=chat)
-    val_sources = sources(val_inputs, column, "val", chat) if val_inputs else []
-    out = os.path.abspath(out)
-    _check_out(out, overwrite)
-    use_workers(workers)
-    templated: Any = None  # with --chat: the folder's tokenizer as transformers loads it
-    layout: dict[str, Any] = {}
-    if tokenizer_path is not None:
-        tokenizer, eot_text = load_tokenizer(tokenizer_path, eot)
-        if chat:
-            templated = chat_data.load_tokenizer(tokenizer_path, trust_remote_code)
-            layout = chat_data.meta_of(tokenizer_path, templated)
-        made_by = os.path.abspath(tokenizer_path)
-        if os.path.isdir(tokenizer_path):
-            tokenizer_path = os.path.join(tokenizer_path, TOKENIZER_FILE)
-    else:
-        assert vocab_size is not None
-        eot_text = eot or EOT
-        reading = Progress(stream, "reading text for the tokenizer", _size(train_sources))
-        tokenizer = train_tokenizer(_texts(train_sources, column, reading), vocab_size, eot_text)
-        made_by = f"byte-level BPE trained on the INPUT text with --vocab-size {vocab_size}"
-    # A document's text is text even where it spells a special token, as in the files.
-    tokenizer.encode_special_tokens = True
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    meta: dict[str, Any] = {
-        "dtype": "uint16" if vocab <= UINT16_VOCAB else "uint32",
-        "vocab_size": vocab,
-        "eot_id": tokenizer.token_to_id(eot_text),
-        "eot": eot_text,
-    }
-    about = {
-        "bytes_counted": chat_data.BYTES_COUNTED if chat else BYTES_COUNTED,
-        "tokenizer": "tokenizer.json",
-        "tokenizer_from": made_by,
-        "val_from": "the --val inputs"
-        if val_sources
-        else f"the last {val_fraction:g} of the {'windows' if chat or pack else 'token stream'}",
-        "val_fraction": None if val_sources else val_fraction,
-        "inputs": {"train": _inputs(train_sources), "val": _inputs(val_sources)},
-    }
-    packs = chat or pack
-    if chat:
-        about["mask"] = chat_data.COUNTED
-        meta["chat"] = layout
-    elif pack:
-        about["mask"] = PACKED_COUNTED
-    if packs:
-        meta["packed"] = {"seq_len": seq_len or packed.SEQ_LEN}
-    created = not os.path.isdir(out)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise outputs.output_error("tokenize", out, e) from None
-    written = [names.token_file(s) for s in names.TOKEN_SPLITS]
-    if packs:
-        written += [names.loss_mask(n) for n in written]
-    partial = {n: os.path.join(out, n + ".partial") for n in written}
-    target = os.path.join(out, "tokenizer.json")
-    if tokenizer_path is None or not _same_file(tokenizer_path, target):
-        partial["tokenizer.json"] = target + ".partial"
-    index_path = os.path.join(out, "documents.partial")
-    try:
-        if "tokenizer.json" in partial:
-            if tokenizer_path is None:
-                tokenizer.save(partial["tokenizer.json"])
-            else:
-                shutil.copyfile(tokenizer_path, partial["tokenizer.json"])
-        if templated is not None:
-            splits = chat_data.write_splits(
-                templated,
-                meta,
-                val_fraction,
-                train_sources,
-                val_sources,
-                column,
-                partial,
-                index_path,
-                stream,
-                render_timeout or chat_data.RENDER_TIMEOUT_S,
-            )
-        else:
-            splits = _write_splits(
-                tokenizer,
-                meta,
-                val_fraction,
-                train_sources,
-                val_sources,
-                column,
-                partial,
-                index_path,
-                workers,
-                stream,
-                pack,
-            )
-        for key in ("tokens", "bytes", "documents", *(("counted",) if packs else ())):
-            meta[key] = {name: getattr(split, key) for name, split in splits.items()}
-        if packs:
-            meta["packed"]["padding"] = {name: split.padding for name, split in splits.items()}
-        meta.update(about)
-        publish(out, partial, meta)
-    except BaseException as e:
-        for path in [*partial.values(), index_path, os.path.join(out, "meta.json.partial")]:
-            if os.path.exists(path):
-                os.remove(path)
-        if created and not os.listdir(out):
-            os.rmdir(out)
-        # A full disk: the files that were in `out` are as they were.
-        failed = (
-            outputs.write_failure("tokenize", out, e)
-            if isinstance(e, Exception) and not isinstance(e, UserError)
-            else None
-        )
-        if failed is not None:
-            raise failed from None
-        raise
-    if os.path.exists(index_path):
-        os.remove(index_path)
-    return meta
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -402,21 +296,18 @@ def _check_out(out: str, overwrite: bool) -> None:
 def _write_splits(
     tokenizer: Any,
     meta: dict[str, Any],
-    val_fraction: float,
-    train_sources: list[Source],
-    val_sources: list[Source],
-    column: str,
-    partial: dict[str, str],
-    index_path: str,
-    workers: int | None,
+    settings: Settings,
+    inputs: Inputs,
+    unfinished: Unfinished,
     stream: TextIO,
-    pack: bool,
 ) -> dict[str, Split]:
     """train.bin and val.bin, under their .partial names, complete and synced, in the dtype
     and with the end-of-text id that `meta` gives; packed, with their masks."""
     dtype, eot_id = np.dtype(meta["dtype"]), meta["eot_id"]
-    batch_bytes = max(1 << 20, threads(workers) * BATCH_BYTES_PER_THREAD)
-    if pack:
+    batch_bytes = max(1 << 20, threads(settings.workers) * BATCH_BYTES_PER_THREAD)
+    train_sources, val_sources, column = inputs.train, inputs.val, inputs.column
+    partial, index_path, val_fraction = unfinished.files, unfinished.index, settings.val_fraction
+    if settings.pack:
 
         def feed(from_sources: list[Source], add: packed.Add, what: str) -> None:
             progress = Progress(stream, what, _size(from_sources))

@@ -8,13 +8,14 @@ import argparse
 import sys
 
 from dtrain.commands.tokenize import command
+from dtrain.commands.tokenize.settings import Settings
 from dtrain.core import signals
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         with signals.stops_raise():
-            meta = command.tokenize(
+            settings = Settings(
                 args.inputs,
                 args.out,
                 vocab_size=args.vocab_size,
@@ -32,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
                 render_timeout=args.render_timeout,
                 trust_remote_code=args.trust_remote_code,
             )
+            meta = command.tokenize(settings)
     except signals.Stopped as stop:
         print(
             f"dtrain: tokenize stopped by {stop.name}: nothing written to {args.out} (the "

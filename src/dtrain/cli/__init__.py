@@ -5,6 +5,9 @@ The command comes first; its options and `section.key=value` overrides then come
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
 (one clear line, no traceback) and usage errors, 1 any other failure (for `verify`: a damaged
 checkpoint), 130 a second Ctrl-C in training, 141 a reader of the output that has gone.
+
+Each command's command line is in `parsers`; its handler here hands the parsed arguments to
+run/ (`train`) or to commands/.
 """
 
 from __future__ import annotations
@@ -20,33 +23,12 @@ from collections.abc import Callable
 
 import dtrain
 from dtrain import config
-from dtrain.commands.tokenize import options as tokenize_options
-from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
+from dtrain.cli import parsers
 from dtrain.core.urls import redacted
 
 Handler = Callable[[argparse.Namespace], int]
 
-
-RUN_DIR_HELP = "the run directory (or DIR alone); --run is the same outside torchrun"
-WEIGHTS = ("model", "ema")
-WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema)"
 TAKES_CONFIG = "takes its config as --config PATH"
-
-
-# Said by the commands that read runs and checkpoints (and write outputs) where they lie: what
-# each takes that may be in an object store.
-IN_A_STORE = {
-    "eval": "A run directory or checkpoint",
-    "export": "A run directory, checkpoint or --out",
-    "verify": "A run directory or checkpoint",
-    "runs": "DIR or --out-dir",
-    "convert": "A checkpoint or --out",
-}
-STORE_PATHS = (
-    " may be in an object store (s3://bucket/prefix, the 's3' extra): the endpoint and "
-    "credentials come from the environment as for every AWS tool (AWS_ENDPOINT_URL, "
-    "AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
-)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -168,185 +150,24 @@ def _tokenize(args: argparse.Namespace) -> int:
     return tokenize.main(args)
 
 
-def _sweep_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (defaults apply without one)")
-    p.add_argument(
-        "words",
-        nargs="*",
-        metavar="key=[v1,v2] | key=uniform(a,b) | key=value",
-        help="a grid of values, a distribution for --random (uniform, loguniform, choice), or "
-        "a fixed override for every trial",
-    )
-    p.add_argument(
-        "--name", help="the sweep folder under run.out_dir (default: <config name>_sweep)"
-    )
-    p.add_argument("--nproc", type=int, metavar="N", help="ranks per trial (default: GPUs or 1)")
-    p.add_argument("--random", type=int, metavar="N", help="N random trials instead of a grid")
-    p.add_argument("--seed", type=int, default=0, help="the seed of --random (default 0)")
-    p.add_argument("--extend", action="store_true", help="add the trials of a changed grid")
-    p.add_argument("--dry-run", action="store_true", help="list the trials; write nothing")
-    p.add_argument("--slurm", action="store_true", help="submit one SLURM job array")
-    p.add_argument(
-        "--max-parallel", type=int, metavar="K", help="--slurm: at most K trials at a time"
-    )
-    p.add_argument(
-        "--script", metavar="PATH", help="--slurm: the batch script (default slurm/train.sbatch)"
-    )
-    p.add_argument(
-        "--sbatch-args",
-        metavar='"..."',
-        help='--slurm: sbatch options, verbatim; write --sbatch-args="--time=2:00:00 ..."',
-    )
-
-
-def _with_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file (defaults apply without one)")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="section.key=value", help="config keys, e.g. optim.lr=0.05"
-    )
+# Each command's handler, by the name `parsers.COMMANDS` gives its command line.
+HANDLERS: dict[str, Handler] = {
+    "train": _train,
+    "plan": _plan,
+    "doctor": _doctor,
+    "eval": _eval,
+    "export": _export,
+    "verify": _verify,
+    "runs": _runs,
+    "sweep": _sweep,
+    "convert": _convert,
+    "tokenize": _tokenize,
+}
 
 
 def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
-    """Each command's own parser (and its handler): argparse parses intermixed options and
-    positionals only for a parser without subcommands."""
-    commands: dict[str, tuple[argparse.ArgumentParser, Handler]] = {}
-
-    def command(name: str, summary: str, handler: Handler) -> argparse.ArgumentParser:
-        parser = argparse.ArgumentParser(
-            prog=f"dtrain {name}",
-            description=summary,
-            epilog=IN_A_STORE[name] + STORE_PATHS if name in IN_A_STORE else None,
-        )
-        if name in ("eval", "export", "tokenize"):  # they read code that others may have named
-            parser.add_argument(TRUST_SWITCH, action="store_true", help=TRUST_HELP)
-        commands[name] = (parser, handler)
-        return parser
-
-    p = command("train", "train (under torchrun, srun or as a single process)", _train)
-    _with_config(p)
-    p.add_argument("--sweep", metavar="PATH", help="run a trial of this sweep.yaml (or folder)")
-    p.add_argument(
-        "--trial", type=int, metavar="I", help="with --sweep: trial I (default: SLURM's array task)"
-    )
-    p = command("plan", "what a config will do, before launching it", _plan)
-    _with_config(p)
-    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs or 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument(
-        "--memory-limit",
-        metavar="SIZE",
-        help="memory for the whole job on one node (all ranks, the agent, the page cache): "
-        "6GiB, 6G, 512MiB or bytes; says what fits in DDP, FSDP and FSDP + activation "
-        "checkpointing",
-    )
-    p.add_argument(
-        "--grow",
-        metavar="KEY",
-        help="with --memory-limit: the largest value of this integer config key that fits "
-        "(e.g. model.args.depth)",
-    )
-    p.add_argument(
-        "--format",
-        choices=("text", "json"),
-        default="text",
-        help="with --memory-limit: json for scripts (default text)",
-    )
-    command("doctor", "check this machine's PyTorch, devices and backends", _doctor)
-    p = command(
-        "eval",
-        "a checkpoint's metrics by the run's own evaluation, on its validation data or on "
-        "other data (under torchrun, srun or as a single process); read-only but for DIR/evals/",
-        _eval,
-    )
-    # --run-dir, not --run: torchrun's own parser takes `--run` for a prefix of its --run-path
-    # wherever it appears (`torchrun ... -m dtrain eval --run DIR` is refused); the short
-    # spelling stays for single processes.
-    p.add_argument("--run-dir", "--run", dest="run", metavar="DIR", help=RUN_DIR_HELP)
-    p.add_argument(
-        "--checkpoint",
-        default="latest",
-        metavar="latest|best|PATH",
-        help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
-    )
-    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-    p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="[DIR] section.key=value",
-        help="the run directory, and config keys over the run's (e.g. data.root=PATH)",
-    )
-    p = command("export", "export a checkpoint's weights for use without dtrain", _export)
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--run-dir",
-        "--run",
-        dest="run",
-        metavar="DIR",
-        help="a run directory: its newest checkpoint",
-    )
-    source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint folder or file")
-    p.add_argument(
-        "--out",
-        metavar="PATH",
-        required=True,
-        help="a new file (safetensors: or folder; hf, peft: a new folder); never over anything",
-    )
-    p.add_argument(
-        "--format",
-        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft"),
-        default="state_dict",
-        help="onnx and safetensors need the 'export' extra, hf (a Hugging Face model's folder) "
-        "the 'transformers' extra, peft (a LoRA run's adapters) the 'peft' extra; a LoRA run's "
-        "other formats hold the merged model (default state_dict)",
-    )
-    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-    p.add_argument(
-        "--max-shard-size",
-        metavar="SIZE",
-        help="--format hf: the largest safetensors file, e.g. 500MB (default 2GB)",
-    )
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="data.key=value",
-        help="--format onnx: where the check's validation batch is read from (e.g. data.root)",
-    )
-    p = command(
-        "verify",
-        "check every checkpoint's files against their content digests, offline "
-        "(exit 0: none damaged, 1: a checkpoint is damaged)",
-        _verify,
-    )
-    p.add_argument("path", nargs="?", metavar="PATH", help="a run, folder of runs or checkpoint")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument(
-        "--run-dir", "--run", dest="run", metavar="DIR", help="a run directory: all its checkpoints"
-    )
-    source.add_argument("--checkpoint", metavar="PATH", help="one checkpoint folder")
-    p = command(
-        "runs",
-        "list past runs; with DIR (a sweep folder or a run.out_dir) or --format, compare them: "
-        "one row per run, best ckpt.monitor value first",
-        _runs,
-    )
-    p.add_argument("dir", nargs="?", metavar="DIR", help="a sweep folder or a run.out_dir")
-    p.add_argument("--out-dir", help="the runs' run.out_dir (default runs)")
-    p.add_argument("--format", choices=("table", "csv", "json"), help="(default table)")
-    _sweep_options(command("sweep", "many runs of a config: a grid or a random search", _sweep))
-    p = command(
-        "convert",
-        "a checkpoint in the other format: sharded (meta.pt + dcp/) to one checkpoint.pt, or "
-        "back; the new folder resumes (ckpt.resume=DIR) and exports like the original",
-        _convert,
-    )
-    p.add_argument("--checkpoint", metavar="PATH", required=True, help="a checkpoint folder")
-    p.add_argument("--to", metavar="FORMAT", required=True, help="full | sharded")
-    p.add_argument("--out", metavar="DIR", required=True, help="the new checkpoint's folder")
-    tokenize_options.add_options(
-        command("tokenize", "text into token shards for data.name=tokens", _tokenize)
-    )
-    return commands
+    """Each command's own parser and its handler, in the order `dtrain --help` lists them."""
+    return {name: (parsers.parser(name), HANDLERS[name]) for name in parsers.COMMANDS}
 
 
 def _top_parser(

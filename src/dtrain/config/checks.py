@@ -1,0 +1,139 @@
+"""The rules of a config that involve more than one key, checked once every section has been
+built and its own keys checked: the names the extension points know, places in object stores,
+and the optimizer's, model's, run's and training's combinations of keys."""
+
+from __future__ import annotations
+
+import difflib
+
+from dtrain.config import registry
+from dtrain.config.data import MIX_METRICS, check_mix, mix_names
+from dtrain.config.model import ModelConfig
+from dtrain.config.schema import Config, OptimConfig, RunConfig
+from dtrain.core import urls
+from dtrain.core.errors import UserError
+
+# torch's generators take seeds up to 2**64 - 1, and the run adds the rank (and 1) to its seed.
+MAX_SEED = 2**63 - 1
+# The datasets that read data.root in an object store (the others read a disk).
+STORE_DATA = ("tokens", "hf")
+
+
+def cross_checks(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    registry.check_names(cfg)
+    _check_locations(cfg)
+    _check_optimizer(cfg.optim)
+    _check_run(cfg.run)
+    _check_model(cfg.model)
+    wrap = cfg.parallel.fsdp.wrap
+    if isinstance(wrap, str) and wrap != "auto":
+        raise UserError(
+            f"config error: parallel.fsdp.wrap: expected 'auto' or a list of class "
+            f"names, got {wrap!r}"
+        )
+    if cfg.ckpt.resume not in ("auto", "none") and not cfg.ckpt.resume.strip():
+        raise UserError("config error: ckpt.resume: expected auto, none or a checkpoint path")
+    train = cfg.train
+    if train.early_stop.patience is not None and not (
+        train.eval_every_epochs or train.eval_every_steps
+    ):
+        raise UserError(
+            "config error: train.early_stop.patience is set but nothing is evaluated during the "
+            "run; set train.eval_every_epochs or train.eval_every_steps, or drop train.early_stop"
+        )
+    _check_monitor(cfg)
+
+
+def _check_locations(cfg: Config) -> None:
+    """What names a place, local or in an object store, and what the store may be told."""
+    urls.check_location(cfg.run.out_dir, "run.out_dir")
+    if cfg.ckpt.resume not in ("auto", "none"):
+        urls.check_location(cfg.ckpt.resume, "ckpt.resume")
+    if cfg.model.init_from:
+        urls.check_location(cfg.model.init_from, "model.init_from")
+    urls.check_options(cfg.run.storage_options)
+    if cfg.log.mlflow.tracking_uri:
+        urls.check_no_userinfo(
+            cfg.log.mlflow.tracking_uri, "log.mlflow.tracking_uri", urls.MLFLOW_CREDENTIALS
+        )
+    if urls.is_url(cfg.data.root) and cfg.data.name not in STORE_DATA:
+        urls.check_location(cfg.data.root, "data.root")
+        raise UserError(
+            f"config error: data.root: {cfg.data.root}: of an object store, dtrain reads token "
+            f"files (data.name: tokens) and datasets saved by save_to_disk (data.name: hf); "
+            f"data.name {cfg.data.name} reads a disk: copy it to a node-local folder first "
+            f"(aws s3 sync {cfg.data.root} DIR) and set data.root=DIR"
+        )
+    if cfg.data.name in STORE_DATA:
+        urls.check_location(cfg.data.root, "data.root")
+    check_mix(cfg.data)
+
+
+def _check_optimizer(optim: OptimConfig) -> None:
+    betas = optim.betas
+    if len(betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas
+    ):
+        raise UserError(f"config error: optim.betas: expected two numbers, got {betas!r}")
+    if not all(0 <= b < 1 for b in betas):
+        raise UserError(f"config error: optim.betas: each must be in [0, 1), got {betas!r}")
+    if optim.nesterov and optim.momentum == 0:
+        raise UserError(
+            "config error: optim.nesterov: Nesterov momentum needs optim.momentum > 0; set "
+            "one or drop optim.nesterov"
+        )
+    no_decay = optim.no_decay
+    if (isinstance(no_decay, str) and no_decay != "auto") or (
+        isinstance(no_decay, list) and not all(isinstance(g, str) for g in no_decay)
+    ):
+        raise UserError(
+            f"config error: optim.no_decay: expected auto or a list of name globs, got {no_decay!r}"
+        )
+
+
+def _check_run(run: RunConfig) -> None:
+    if run.seed > MAX_SEED:
+        raise UserError(f"config error: run.seed: at most {MAX_SEED} (2**63 - 1), got {run.seed}")
+    name = run.name
+    if name is not None and (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
+        raise UserError(f"config error: run.name: {name!r} is not a plain directory name")
+
+
+def _check_model(model: ModelConfig) -> None:
+    """Starting weights: named once, and pretrained ones only where a library has them."""
+    if model.pretrained and not model.name.startswith(("tv:", "timm:")):
+        raise UserError(
+            f"config error: model.pretrained: only torchvision and timm models (tv:NAME, "
+            f"timm:NAME) have pretrained weights here; use model.init_from=PATH for "
+            f"{model.name}"
+        )
+    if model.pretrained and model.init_from:
+        raise UserError(
+            "config error: model.pretrained and model.init_from both name starting "
+            "weights; keep one"
+        )
+
+
+def _check_monitor(cfg: Config) -> None:
+    """ckpt.monitor is a metric the task reports: a built-in task's, a mix's per source, and
+    with train.ema.eval the averaged weights' too (a user's task is taken at its word)."""
+    reported = registry.builtin_metrics(cfg.task.name)
+    if reported is None:
+        return
+    if cfg.task.name == "language_model":  # a mix's, per source
+        reported = (*reported, *(f"val_{m}_{n}" for n in mix_names(cfg.data) for m in MIX_METRICS))
+    if cfg.train.ema.decay is not None and cfg.train.ema.eval:
+        reported = (*reported, *(f"{m}_ema" for m in reported))  # the averaged weights' too
+    if cfg.ckpt.monitor not in reported:
+        close = difflib.get_close_matches(cfg.ckpt.monitor, reported, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(
+            f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is not a metric the "
+            f"{cfg.task.name} task reports; use one of {', '.join(reported)}{hint}"
+        )
