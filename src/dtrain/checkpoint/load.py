@@ -263,6 +263,10 @@ def load_run(
     it came from, and the training keys changed since (`check_config`). Every rank calls it."""
     full_data: dict[str, Any] | None = None  # rank 0's; the others receive what they need
     model, optimizer, spec = contents.model, contents.optimizer, contents.spec
+    # The model's keys and full shapes, to refuse a checkpoint of another model up front (the
+    # module's own state_dict has the names and global shapes the distributed state-dict API
+    # uses; importing that API costs half a second, not to be paid before a fresh start).
+    ours = trained_shapes(unwrap(model), spec)
 
     def read() -> tuple[str, str, dict[str, Any], str | None]:
         nonlocal full_data
@@ -275,7 +279,7 @@ def load_run(
             meta = ckpt_state.load_checked(os.path.join(folder, META_FILE))
             saved = ckpt_state.dcp_model_shapes(folder)
         # A checkpoint of another model is refused before anything is loaded into this one.
-        return folder, fmt, meta, ckpt_state.shape_mismatch(trained_shapes(model, spec), saved)
+        return folder, fmt, meta, ckpt_state.shape_mismatch(ours, saved)
 
     try:
         folder, fmt, meta, misfit = dist.on_main(read)

@@ -57,10 +57,10 @@ class ShardedStateful(Protocol):
 
     `state_dict(full)`: whole tensors in CPU memory on rank 0 (nothing on the others) for a
     full checkpoint, each rank's own tensors (DTensors under FSDP) for a sharded one.
-    `staging(saved)`: every rank's tensors to receive the saved ones (a sharded checkpoint's
-    read fills them with the model's); None when the checkpoint holds none that fit, and the
-    part starts anew. `load_state_dict(staged)`: takes them, once the model and the optimizer
-    were applied."""
+    `staging(saved)`: the saved tensors, placed as this rank holds them but not applied: empty
+    ones of a sharded checkpoint, which the read of the model's shards fills; a full one's,
+    sent by rank 0. None when the checkpoint holds none that fit: the part starts anew.
+    `load_state_dict(staged)`: takes them, once the model and the optimizer were applied."""
 
     def state_dict(self, full: bool) -> dict[str, torch.Tensor]: ...
 
