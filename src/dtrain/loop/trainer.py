@@ -2,8 +2,10 @@
 logging, evaluation, checkpoints, and the decisions every rank must take together.
 
 It never reads the environment or asks for its rank itself: it uses `dist`'s helpers. It knows
-nothing about images or tokens: the task turns a batch into a loss and into metrics. Everything
-else that may run between steps is one of the `Callbacks`.
+nothing about images or tokens: the task turns a batch into a loss and into metrics. It builds
+none of its helpers between steps: the run hands it its components (`components`, `saving`,
+early stopping, the EMA weights), and everything else that may run between steps is one of the
+`Callbacks`.
 """
 
 from __future__ import annotations
