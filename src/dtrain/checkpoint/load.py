@@ -1,5 +1,6 @@
-"""Reading a checkpoint into a model and optimizer: opening it safely, and applying a full or a
-sharded one so that nothing is changed unless every part was read."""
+"""Reading a checkpoint into a model and optimizer (and a run's parts, `load_run`): opening it
+safely, and applying a full or a sharded one so that nothing is changed unless every part was
+read."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint import state as ckpt_state
+from dtrain.checkpoint.parts import Contents, SavedPart
+from dtrain.checkpoint.state import FULL_FILE, META_FILE, META_KEYS, POSITION, Resumed
 from dtrain.config import CkptConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
@@ -21,7 +24,7 @@ from dtrain.files.remote_store import fetch_checkpoint
 from dtrain.files.resume_policy import is_length_change, training_differences
 from dtrain.models.spec import ModelSpec
 from dtrain.parallel import unwrap
-from dtrain.process import dist
+from dtrain.process import dist, rng
 from dtrain.process.compat import tree_map_tensors
 
 
@@ -250,3 +253,80 @@ def _own_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     yield
     for group, flags in zip(optimizer.param_groups, kept, strict=True):
         group.update(flags)
+
+
+def load_run(
+    contents: Contents, local: str, shown: str | None, ckpt: CkptConfig, device: torch.device
+) -> tuple[Resumed, list[str]]:
+    """Read the checkpoint at `local` (a local path, or the local copy of the store's `shown`),
+    check it against the run's model and config, then apply it to the run's `contents`: where
+    it came from, and the training keys changed since (`check_config`). Every rank calls it."""
+    full_data: dict[str, Any] | None = None  # rank 0's; the others receive what they need
+    model, optimizer, spec = contents.model, contents.optimizer, contents.spec
+    # The model's keys and full shapes, to refuse a checkpoint of another model up front (the
+    # module's own state_dict has the names and global shapes the distributed state-dict API
+    # uses; importing that API costs half a second, not to be paid before a fresh start).
+    ours = trained_shapes(unwrap(model), spec)
+
+    def read() -> tuple[str, str, dict[str, Any], str | None]:
+        nonlocal full_data
+        folder, fmt = open_checkpoint(local)
+        if fmt == "full":  # verified against the marker's digest before it is applied
+            full_data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
+            meta = {k: full_data[k] for k in META_KEYS if k in full_data}
+            saved = {k: tuple(v.shape) for k, v in full_data["model"].items()}
+        else:
+            meta = ckpt_state.load_checked(os.path.join(folder, META_FILE))
+            saved = ckpt_state.dcp_model_shapes(folder)
+        # A checkpoint of another model is refused before anything is loaded into this one.
+        return folder, fmt, meta, ckpt_state.shape_mismatch(ours, saved)
+
+    try:
+        folder, fmt, meta, misfit = dist.on_main(read)
+        folder = local if shown else folder
+        named = shown or folder
+        changes = check_config(meta.get("config", {}), contents.config, ckpt, named, misfit)
+        check_base(meta["model_info"], contents.model_info, named)
+        # The sharded parts are read with the rest and taken only after it was applied.
+        staged = {}
+        for name, part in contents.sharded.items():
+            whole = (full_data or {}).get(name) if fmt == "full" else None
+            tensors = part.staging(SavedPart(name, folder, fmt, whole, device))
+            if tensors is not None:
+                staged[name] = tensors
+        if fmt == "full":
+            apply_full(model, optimizer, full_data, folder, spec)
+        else:
+            apply_sharded(model, optimizer, folder, spec, staged)
+        for name, tensors in staged.items():
+            contents.sharded[name].load_state_dict(tensors)
+    except UserError as e:  # a damaged file of a store's checkpoint: named by its URL
+        if shown and local in str(e):
+            raise type(e)(str(e).replace(local, shown)) from None
+        raise
+    finally:
+        full_data = None
+    return _restore_meta(contents, meta, shown or folder, device), changes
+
+
+def _restore_meta(
+    contents: Contents, meta: dict[str, Any], folder: str, device: torch.device
+) -> Resumed:
+    """The random states and the parts, as the checkpoint's metadata `meta` holds them."""
+    saved_world, position = meta["world_size"], meta[POSITION]
+    if saved_world == dist.world_size():
+        rng.restore(meta["rng"][dist.rank()], device)
+    else:
+        log.warning(
+            f"world size changed from {saved_world} to {dist.world_size()}: resuming "
+            f"at the same sample of the epoch; random states are re-seeded"
+        )
+        rng.reseed(contents.seed + 7919 * (position["step"] + 1) + dist.rank())
+    for name, part in contents.parts.items():
+        saved = position if name == POSITION else meta["extra"].get(name)
+        if saved is None:
+            log.warning(f"{folder} holds no state for '{name}': it starts anew")
+        else:
+            part.load_state_dict(saved)
+    log.info(f"resumed from {folder} (step {position['step']}, epoch {position['epoch']})")
+    return Resumed(path=folder, step=position["step"], world_size=saved_world)

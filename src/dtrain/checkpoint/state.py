@@ -15,7 +15,7 @@ import pickle
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,6 +29,11 @@ FULL_FILE = "checkpoint.pt"
 META_FILE = "meta.pt"
 DCP_DIR = "dcp"
 FORMAT_VERSION = 2
+# The metadata's key of the part that says where the run is (its state has "step" and "epoch").
+POSITION = "train_state"
+# What a checkpoint's metadata holds (meta.pt, and checkpoint.pt beside the weights).
+META_KEYS: tuple[str, ...] = ("format_version", "format", POSITION, "extra", "world_size")
+META_KEYS += ("rng", "config", "model_info", "metrics", "versions")
 
 
 def shape_mismatch(
@@ -269,14 +274,6 @@ def cpu_copy(obj: Any) -> Any:
         lambda t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu", copy=True),
         obj,
     )
-
-
-class Stateful(Protocol):
-    """A piece of a run that a checkpoint saves and restores by name."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)

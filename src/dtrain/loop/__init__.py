@@ -1,2 +1,4 @@
-"""The training loop and what it steps: the Trainer, its state, gradients, optimizers and
-schedules, EMA weights, early stopping and the one evaluation that `dtrain eval` shares."""
+"""The training loop and what it is made of: the `Trainer` (trainer.py), the components the
+run hands it (components.py: what learns, where batches come from, what watches it, the
+callbacks; saving.py: its checkpoints), where a run is (state.py), gradient checks, early
+stopping, EMA weights, evaluation (one function), optimizers and schedules."""

@@ -42,17 +42,18 @@ from dtrain.parallel import reshard, unwrap
 from dtrain.process import compat, dist
 
 if TYPE_CHECKING:
-    from dtrain.config import Config, EmaConfig
+    from dtrain.checkpoint import SavedPart
+    from dtrain.config import CkptConfig, EmaConfig
 
 KEY = "ema"  # the part of a checkpoint that holds the average: {parameter name: tensor}
 SUFFIX = "_ema"  # metrics of the averaged weights: val_acc_ema beside val_acc
 
 
-def monitored_metric(cfg: Config) -> str:
+def monitored_metric(ckpt: CkptConfig, ema: EmaConfig) -> str:
     """`ckpt.monitor` as the task itself reports it: `val_acc_ema` is the task's `val_acc`,
-    measured on the averaged weights, when they are evaluated."""
-    monitor = cfg.ckpt.monitor
-    if cfg.train.ema.decay is not None and cfg.train.ema.eval and monitor.endswith(SUFFIX):
+    measured on the averaged weights, when they are evaluated (`train.ema`)."""
+    monitor = ckpt.monitor
+    if ema.decay is not None and ema.eval and monitor.endswith(SUFFIX):
         return monitor[: -len(SUFFIX)]
     return monitor
 
@@ -132,11 +133,11 @@ class EmaWeights:
             param.copy_(average)
             average.copy_(held)
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- checkpoints (a `ShardedStateful` part, saved under KEY) ---------------------------------
     def state_dict(self, full: bool) -> dict[str, torch.Tensor]:
-        """What a checkpoint saves under KEY. Sharded: the tensors themselves (DCP writes each
-        rank's shards). Full: whole tensors in CPU memory on rank 0 (under FSDP gathered from
-        every rank, one at a time), nothing on the others."""
+        """What a checkpoint saves. Sharded: the tensors themselves (DCP writes each rank's
+        shards). Full: whole tensors in CPU memory on rank 0 (under FSDP gathered from every
+        rank, one at a time), nothing on the others."""
         if not full:
             return dict(zip(self.names, self.average, strict=True))
         whole: dict[str, torch.Tensor] = {}
@@ -146,51 +147,40 @@ class EmaWeights:
                 whole[name] = value.detach().cpu()
         return whole
 
-    def staging(
-        self, folder: str, fmt: str, full_data: dict[str, Any] | None, device: torch.device
-    ) -> dict[str, Any] | None:
+    def staging(self, saved: SavedPart) -> dict[str, torch.Tensor] | None:
         """The checkpoint's average, read but not applied (every rank calls it). Sharded: empty
-        tensors like ours under KEY, for the read of the model and optimizer to fill. Full: rank
-        0 holds the file's data (`full_data`) and sends each rank its part. None when the
+        tensors like ours, for the read of the model and optimizer to fill. Full: rank 0 holds
+        the file's tensors (`saved.whole`) and sends each rank its part. None when the
         checkpoint has no average that fits this model (the average starts from the weights)."""
-
-        def saved_shapes() -> dict[str, tuple[int, ...]]:
-            if fmt == "sharded":
-                return dcp_model_shapes(folder, f"{KEY}.")
-            return {k: tuple(v.shape) for k, v in ((full_data or {}).get(KEY) or {}).items()}
-
-        saved = dist.on_main(saved_shapes)
+        shapes = dist.on_main(saved.shapes)
         ours = {n: tuple(a.shape) for n, a in zip(self.names, self.average, strict=True)}
-        problem = shape_mismatch(ours, saved) if saved else "it holds none (train.ema was off)"
+        problem = shape_mismatch(ours, shapes) if shapes else "it holds none (train.ema was off)"
         if problem:
             log.warning(
-                f"{folder}: no EMA weights for this model ({problem}): the average "
+                f"{saved.folder}: no EMA weights for this model ({problem}): the average "
                 f"starts from the resumed weights"
             )
             return None
-        if fmt == "sharded":
-            empty = [torch.empty_like(a) for a in self.average]
-            return {KEY: dict(zip(self.names, empty, strict=True))}
+        if saved.format == "sharded":
+            return {n: torch.empty_like(a) for n, a in zip(self.names, self.average, strict=True)}
         import torch.distributed as torch_dist
 
         parts = {}
         for name, average in zip(self.names, self.average, strict=True):
             if dist.is_main():
-                assert full_data is not None
-                whole = full_data[KEY][name].to(device=device, dtype=average.dtype)
+                assert saved.whole is not None
+                whole = saved.whole[name].to(device=saved.device, dtype=average.dtype)
             else:
-                whole = torch.empty(average.shape, dtype=average.dtype, device=device)
+                whole = torch.empty(average.shape, dtype=average.dtype, device=saved.device)
             if dist.is_distributed():
                 torch_dist.broadcast(whole, src=0)
             parts[name] = _placed(whole, average).to(_local([average])[0].device, copy=True)
-        return {KEY: parts}
+        return parts
 
     @torch.no_grad()
-    def apply(self, staged: dict[str, Any] | None) -> None:
+    def load_state_dict(self, staged: dict[str, torch.Tensor]) -> None:
         """Take the average `staging` read (after the rest of the checkpoint was applied)."""
-        if staged is None:
-            return
-        values = [staged[KEY][n] for n in self.names]
+        values = [staged[n] for n in self.names]
         compat.foreach_copy(_local(self.average), _local(values))
         self.loaded = True
 

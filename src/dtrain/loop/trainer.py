@@ -2,8 +2,10 @@
 logging, evaluation, checkpoints, and the decisions every rank must take together.
 
 It never reads the environment or asks for its rank itself: it uses `dist`'s helpers. It knows
-nothing about images or tokens: the task turns a batch into a loss and into metrics. Everything
-else that may run between steps is one of the `Callbacks`.
+nothing about images or tokens: the task turns a batch into a loss and into metrics. It builds
+none of its helpers between steps: the run hands it its components (`components`, `saving`,
+early stopping, the EMA weights), and everything else that may run between steps is one of the
+`Callbacks`.
 """
 
 from __future__ import annotations
@@ -12,109 +14,71 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from dtrain import parallel
-from dtrain.checkpoint import Checkpointer
-from dtrain.config import CkptConfig, TrainConfig
+from dtrain.config import TrainConfig
 from dtrain.core import signals
 from dtrain.core.errors import TrainingStopped
 from dtrain.core.monitor import improves
-from dtrain.data import Datasets, Loaders, to_device
 from dtrain.loop import evaluation, grads
+from dtrain.loop.components import Callbacks, Feed, Learner, Observers
 from dtrain.loop.early_stop import EarlyStop
 from dtrain.loop.ema import SUFFIX, EmaWeights
-from dtrain.loop.optim import LRSchedule, UserSchedule
+from dtrain.loop.saving import Saving
 from dtrain.loop.state import Pending, StepTimes, TrainState, Window
-from dtrain.observe import RunLog, Throughput, log, memory_stats
-from dtrain.observe.stragglers import Stragglers
-from dtrain.parallel import average_buffers
-from dtrain.parallel.precision import Precision
+from dtrain.observe import log, memory_stats
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
-from dtrain.process.whereabouts import Whereabouts
-from dtrain.tasks import Task
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 
-@dataclass
-class Callbacks:
-    """What else may run between steps, each hook a list that concerns subscribe to (run/
-    fills them in): a new concern is a new entry, not an edit here.
-
-    - `first_step`: after the first optimizer step of an attempt (state sizes exist only then);
-      what they return joins the next logged record.
-    - `step_end`: after every optimizer step (the profiler's schedule).
-    - `evaluated(state, metrics)`: after every evaluation, with its `val_*` metrics.
-    - `saved(state)`: after every checkpoint (the run record).
-    - `before_stop_save(last_save_s)`: before the checkpoint of a stop signal, with how long the
-      last save took (None before the first): under SLURM, whether it fits the time left.
-    """
-
-    first_step: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
-    step_end: list[Callable[[], None]] = field(default_factory=list)
-    evaluated: list[Callable[[TrainState, dict[str, float]], None]] = field(default_factory=list)
-    saved: list[Callable[[TrainState], None]] = field(default_factory=list)
-    before_stop_save: list[Callable[[float | None], None]] = field(default_factory=list)
-
-
 class Trainer:
+    """The loop over `state` (the run's position, which the checkpoints save), with the
+    components the assembly built: what learns, where batches come from, the checkpoints,
+    early stopping, the averaged weights (None without train.ema), what watches the loop, and
+    the callbacks between steps."""
+
     def __init__(
         self,
         *,
         train: TrainConfig,
-        ckpt: CkptConfig,
-        channels_last: bool,
-        sync_batchnorm: bool,
         layout: Layout,
-        model: nn.Module,
-        task: Task,
-        optimizer: torch.optim.Optimizer,
-        schedule: LRSchedule | UserSchedule,
-        precision: Precision,
-        datasets: Datasets,
-        loaders: Loaders,
-        checkpoints: Checkpointer,
-        run_log: RunLog,
+        state: TrainState,
+        learner: Learner,
+        feed: Feed,
+        saving: Saving,
+        early_stop: EarlyStop,
+        ema: EmaWeights | None,
+        observers: Observers,
         callbacks: Callbacks,
-        throughput: Throughput,
     ) -> None:
-        self.train, self.ckpt, self.layout, self.model, self.task = train, ckpt, layout, model, task
+        self.train, self.layout, self.state = train, layout, state
+        self.learner, self.feed, self.saving = learner, feed, saving
+        self.early_stop, self.ema = early_stop, ema
+        self.observers, self.callbacks = observers, callbacks
+        self.model, self.task = learner.model, learner.task
         # A task that may count only some targets (tasks.py): see _train_step.
-        self.counted = getattr(task, "counted", None)
-        self.channels_last, self.sync_batchnorm = channels_last, sync_batchnorm
-        self.optimizer, self.schedule, self.precision = optimizer, schedule, precision
-        self.datasets, self.loaders = datasets, loaders
-        self.checkpoints, self.state = checkpoints, checkpoints.state
-        self.run_log, self.callbacks, self.throughput = run_log, callbacks, throughput
+        self.counted = getattr(learner.task, "counted", None)
         self.device = layout.device
         self.accum = layout.grad_accum
         self.samples_per_step = layout.effective_batch
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
         # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
-        self.masked_step = not precision.scaled and compat.masked_step_supported(optimizer)
+        optimizer = learner.optimizer
+        self.masked_step = not learner.precision.scaled and compat.masked_step_supported(optimizer)
         self.pending = Pending(self.device)
-        self.check_gradients = grads.Check(list(model.parameters()), optimizer, self.device)
+        self.check_gradients = grads.Check(list(self.model.parameters()), optimizer, self.device)
         self.window = Window()
-        # What this rank is doing, for ranks left waiting on it; and which rank is slow.
-        self.where = Whereabouts(self.state)
-        dist.publish_whereabouts(self.where)
-        self.stragglers = Stragglers(dist.host_of)
         self.stop_requested: str | None = None
-        self.early_stop = EarlyStop(train.early_stop, ckpt, self.state)
         self._first_step_done = False
         self._pending_record: dict[str, Any] = {}
         self._replaced = 0  # bad samples replaced by all ranks, as of the last agreement
-        self.last_save_s: float | None = None
-        # The averaged weights (train.ema) live with the checkpointer, which saves and loads them.
-        self.ema: EmaWeights | None = checkpoints.ema
         if self.ema is not None and not self.ema.loaded:  # from the starting weights
             self.ema.reset()
 
@@ -138,20 +102,21 @@ class Trainer:
             gc.unfreeze()
 
     def _fit(self) -> str:
-        train, ckpt, state = self.train, self.ckpt, self.state
+        train, state, loaders = self.train, self.state, self.feed.loaders
+        progress = self.observers.run_log.progress
         max_steps = train.max_steps or math.inf
         while (
             not state.reached(train.epochs, train.max_steps)
             and not self.stop_requested
             and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
         ):
-            self.loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
-            steps_this_epoch = len(self.loaders.train) // self.accum
+            loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
+            steps_this_epoch = len(loaders.train) // self.accum
             done_before = state.samples_in_epoch // self.samples_per_step
             last_done = done_before + steps_this_epoch
-            self.run_log.progress.start_epoch(state.epoch, last_done)
+            progress.start_epoch(state.epoch, last_done)
             self.model.train()
-            batches = iter(self.loaders.train)
+            batches = iter(loaders.train)
             epoch_finished = True
             for done in range(done_before + 1, last_done + 1):
                 self._sync_debug(state.step >= 2)
@@ -175,21 +140,21 @@ class Trainer:
                     self._evaluate()
                 # A save due on an epoch's last step waits for the epoch's end, so that the
                 # checkpoint says "next epoch" and holds that epoch's evaluation.
-                if self._save_due_by_steps() and not last_in_epoch and not self.stop_requested:
+                due = self.saving.due_by_steps(state.step)
+                if due and not last_in_epoch and not self.stop_requested:
                     self._agree()
                     self._save()
                 if self.stop_requested or state.step >= max_steps or self.early_stop.due:
                     epoch_finished = last_in_epoch
                     break
             del batches  # stops the loader workers of an unfinished epoch
-            self.run_log.progress.end_epoch()
+            progress.end_epoch()
             if epoch_finished:
                 state.epoch += 1
                 state.samples_in_epoch = 0
                 if train.eval_every_epochs and state.epoch % train.eval_every_epochs == 0:
                     self._evaluate()
-                due_by_epochs = ckpt.every_epochs and state.epoch % ckpt.every_epochs == 0
-                if (due_by_epochs or self._save_due_by_steps()) and not self.stop_requested:
+                if self.saving.due_at_epoch_end(state) and not self.stop_requested:
                     self._save()
         self._agree()
         if self.stop_requested:
@@ -198,8 +163,8 @@ class Trainer:
                 f"checkpoint and exiting"
             )
             for before_save in self.callbacks.before_stop_save:
-                before_save(self.last_save_s)
-            self._save_last()  # (a save's check may have saved this step already)
+                before_save(self.saving.last_save_s)
+            self.saving.save_last(state)  # (a save's check may have saved this step already)
             return "preempted"
         # Early stopping ends a run only before its end: one whose last scheduled evaluation
         # comes at its end has finished (a longer resume of it stops at once).
@@ -207,7 +172,7 @@ class Trainer:
         stopped_early = stopped_early and state.step < max_steps
         if state.last_eval.get("step") != state.step:
             self._evaluate(scheduled=False)
-        self._save_last()
+        self.saving.save_last(state)
         if stopped_early:
             log.info(self.early_stop.line())
             return "stopped_early"
@@ -218,13 +183,14 @@ class Trainer:
         """One optimizer step. Between checks it never waits for the device: the loss, whether
         the step was non-finite, and the gradient norm stay on the device (`Pending`). The norm
         is computed where clipping needs it or `wants_norm` (a check follows, which reads it)."""
-        model, where, accum = self.model, self.where, self.accum
+        model, where, accum = self.model, self.observers.where, self.accum
+        precision, optimizer = self.learner.precision, self.learner.optimizer
         started = time.perf_counter()
         # Training mode is set at each epoch's start; an evaluation between steps leaves the
         # model in eval mode, which this restores (a walk over every module: not every step).
         if not model.training:
             model.train()
-        self.schedule.apply(self.state.step)
+        self.learner.schedule.apply(self.state.step)
         step_loss: torch.Tensor | None = None
         data_wait = exchange = 0.0
 
@@ -246,7 +212,7 @@ class Trainer:
             batch = fetched[micro] if micro < len(fetched) else fetch()
             where.phase = "forward/backward"
             last = micro == accum - 1
-            with self._gradient_sync(last), self.precision.autocast():
+            with self._gradient_sync(last), precision.autocast():
                 if over is not None:
                     loss = self.task.loss(model, batch, over)  # type: ignore[call-arg]
                 else:
@@ -254,7 +220,7 @@ class Trainer:
                     if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
                         loss = loss / accum
             backward_began = time.perf_counter()
-            self.precision.backward(loss)
+            precision.backward(loss)
             # The last backward exchanges the gradients: the ranks wait there for the slowest.
             exchange = time.perf_counter() - backward_began
             # The first micro-batch's loss as it is (0 + x is x), the others added to it.
@@ -265,22 +231,22 @@ class Trainer:
         # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is
         # reduced over the shards: every rank reaches the same verdict. Under fp16 the grad
         # scaler decides (an overflow lowers the scale) instead.
-        skip, norm = self.check_gradients(wants_norm, self.train.clip_grad_norm, self.precision)
+        skip, norm = self.check_gradients(wants_norm, self.train.clip_grad_norm, precision)
         # What the average skips: nothing under nan_policy=stop (a non-finite step ends the run
         # at the next check, before any evaluation or save), else the steps that changed nothing.
         ema_skip = None
         if self.ema is not None and self.train.nan_policy == "skip":
             ema_skip = (skip != 0).view(())
-        if self.precision.scaled:
-            overflowed = self.precision.step(self.optimizer)
+        if precision.scaled:
+            overflowed = precision.step(optimizer)
             if self.ema is not None:
                 ema_skip = overflowed
         elif self.masked_step:
-            compat.masked_step(self.optimizer, skip)
+            compat.masked_step(optimizer, skip)
         elif not bool(skip):  # an optimizer without a masked step: one wait per step
-            self.optimizer.step()
+            optimizer.step()
         # Freed now, not at the next step: evaluations and saves run without them.
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         # After the gradients are freed: a masked update's temporaries take their place.
         if self.ema is not None:
             self.ema.update(self.state.step + 1, ema_skip)
@@ -301,12 +267,12 @@ class Trainer:
         replaced and each rank's pace, in one all-reduce; applies train.nan_policy to the
         non-finite steps and names a straggler."""
         self._sync_debug(False)
-        replaced = self.datasets.replaced()
+        replaced = self.feed.datasets.replaced()
         stop = signals.received() is not None
         agreed = self.pending.agree(stop, replaced or 0, self.window.pace())
         self.window.agreed(agreed, self.state.step)
         if agreed.skipped:  # there were steps since the last agreement: each rank's pace
-            self.stragglers.check(agreed.step_s, agreed.data_wait)
+            self.observers.stragglers.check(agreed.step_s, agreed.data_wait)
         if replaced is not None:
             self._replaced = agreed.replaced
         if agreed.stop and not self.stop_requested:
@@ -350,7 +316,7 @@ class Trainer:
         return total.clamp(min=1.0) / dist.world_size()
 
     def _to_device(self, batch: Any) -> Any:
-        return to_device(batch, self.device, self.datasets.on_device, self.channels_last)
+        return self.feed.to_device(batch, self.device)
 
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
@@ -367,23 +333,23 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """The task's metrics over the whole validation set as `val_<name>` (`evaluation`)."""
-        self._consistent_buffers()
-        val = self.loaders.val
+        self.learner.consistent_buffers()
+        loaders = self.feed.loaders
         return evaluation.evaluate(
             self.model,
             self.task,
-            val,
-            self.loaders.val_sampler.valid_count,
+            loaders.val,
+            loaders.val_sampler.valid_count,
             self.device,
             self._to_device,
-            self.precision.autocast,
+            self.learner.precision.autocast,
         )
 
     def _evaluate(self, scheduled: bool = True) -> None:
         """Evaluate and record; early stopping counts the `scheduled` evaluations, once per step
         (an epoch's end may evaluate again the step that eval_every_steps just evaluated)."""
         assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
-        with self.where.doing("evaluation"):
+        with self.observers.where.doing("evaluation"):
             metrics = self.evaluate()
             if self.ema is not None and self.ema.evaluates:
                 with self.ema.swapped():
@@ -391,65 +357,29 @@ class Trainer:
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}
-        value = metrics.get(self.ckpt.monitor)
-        self.schedule.on_eval(value)
+        # The metric ckpt.monitor names, better in ckpt.monitor_mode (early stopping's too).
+        value = metrics.get(self.early_stop.monitor)
+        self.learner.schedule.on_eval(value)
         if scheduled and not again:
             self.early_stop.count(value)
-        if value is not None and improves(value, state.best_metric, self.ckpt.monitor_mode):
+        if value is not None and improves(value, state.best_metric, self.early_stop.mode):
             state.best_metric = value
-        self.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
+        self.observers.run_log.evaluation({"step": state.step, "epoch": state.epoch, **metrics})
         for hook in self.callbacks.evaluated:
             hook(state, metrics)
 
-    def _save_due_by_steps(self) -> bool:
-        every = self.ckpt.every_steps
-        if not every:
-            return False
-        return self.state.step % every == 0
-
-    def _consistent_buffers(self) -> None:
-        """Without sync_batchnorm every rank's BatchNorm statistics follow its own batches: use
-        their mean for evaluation and checkpoints, the same on every rank."""
-        if not self.sync_batchnorm:
-            average_buffers(self.model)
-
-    def _save_last(self, attempts: int = 4) -> None:
-        """The run's last checkpoint, unless this step is saved: where a failed save may pass
-        (an object store), tried again after 5, 10 and 20 s; the run fails (exit 1, the previous
-        checkpoint kept) only if the last attempt fails too."""
-        for attempt in range(attempts):
-            if self.checkpoints.last_saved_step != self.state.step:
-                self._save()
-            self.checkpoints.wait()
-            if self.checkpoints.last_saved_step == self.state.step:
-                return
-            if attempt < attempts - 1:
-                time.sleep(5 * 2**attempt)
-        assert self.checkpoints.last_error is not None
-        raise self.checkpoints.last_error
-
     def _save(self) -> None:
-        started = time.perf_counter()
         # The non-finite policy first: a checkpoint never follows a bad step unseen.
         assert not self.pending.steps, "a save follows an agreement of the ranks"
-        with self.where.doing("checkpoint"):
-            self._consistent_buffers()
-            if dist.any_rank(not _all_finite(self.model), self.device):
-                raise TrainingStopped(
-                    f"the weights are not finite at step {self.state.step}; not "
-                    f"saving them (the last good checkpoint is kept)"
-                )
-            self.checkpoints.save()
-        self.last_save_s = time.perf_counter() - started
-        for hook in self.callbacks.saved:
-            hook(self.state)
+        self.saving.save(self.state)
 
     # -----------------------------------------------------------------------------------------
     def _log_step(self, done_in_epoch: int, at_log_step: bool) -> None:
         """A record every train.log_every steps (and a console line when log.every_s passes
         without one); between them only the progress bar's counter moves, with the figures of
         the last record. No collectives: what it shows comes from the last agreement."""
-        state, progress, window = self.state, self.run_log.progress, self.window
+        state, window, observers = self.state, self.window, self.observers
+        progress = observers.run_log.progress
         if not (at_log_step or progress.line_due()):
             progress.tick(done_in_epoch)
             return
@@ -460,25 +390,25 @@ class Trainer:
         elif window.last_loss is not None:  # a line between records: the last loss read
             record["loss"], record["loss_step"] = window.last_loss
         record.update(
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=self.learner.optimizer.param_groups[0]["lr"],
             samples_per_s=samples_per_s,
-            **self.throughput.figures(samples_per_s),
+            **observers.throughput.figures(samples_per_s),
         )
         if window.grad_norm is not None:
             record["grad_norm"] = window.grad_norm
         if at_log_step:
             record.update(step_time_s=window.mean_step_time(), data_wait_pct=window.data_wait_pct())
-            record.update(self.stragglers.figures)  # each rank's step time, at the last check
+            record.update(observers.stragglers.figures)  # each rank's step time, at the last check
             if state.skipped_steps:
                 record["skipped_steps"] = state.skipped_steps
             record.update(self._pending_record)
             if self._replaced:
                 record["bad_samples_replaced"] = self._replaced
             self._pending_record = {}
-            if self.precision.scaled:
-                record["loss_scale"] = self.precision.loss_scale()
+            if self.learner.precision.scaled:
+                record["loss_scale"] = self.learner.precision.loss_scale()
         extra = {f"mem/{k}": v for k, v in memory_stats(self.device).items()} if at_log_step else {}
-        self.run_log.train(record, extra, done_in_epoch, at_log_step)
+        observers.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
 
@@ -488,11 +418,3 @@ def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
     for part in parts:
         merged.update(part)
     return merged
-
-
-@torch.no_grad()
-def _all_finite(model: nn.Module) -> bool:
-    """Whether this rank's parameters (its shards under FSDP) are all finite: one fused check."""
-    local = [compat.local_part(p) for p in model.parameters()]
-    local = [t for t in local if t.numel()]
-    return not local or bool(torch.isfinite(nn.utils.get_total_norm(local, norm_type=math.inf)))

@@ -1,53 +1,60 @@
-"""`dtrain train`: put the pieces together in the order of DESIGN.md's flow, and take them apart.
+"""`dtrain train`: the assembly of a run. It builds each component from its config section and
+hands it over, in the order of a run, and takes them apart at the end:
 
-config -> env -> dist -> run directory (lock, shared storage) -> data -> model -> parallel ->
-optimizer -> checkpoint resume -> Trainer.fit() -> records -> (requeue) -> dist.shutdown()
+config -> env -> layout -> dist -> run directory (lock, shared storage) -> pieces (data, task,
+model wrapped for the parallel mode, starting weights) -> optimizer and schedule -> checkpointer
+and its parts -> resume or start -> the run's record and config.yaml -> callbacks and the
+trainer's components -> Trainer.fit() -> the record's last update -> (requeue) -> dist.shutdown()
+
+`components` builds the trainer's components, `resume` what a resume changes beyond the
+checkpoint, `pieces` what is trained, `records` the runs table, `remote` a run in an object store.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import torch
-from torch import nn
 
-from dtrain import checkpoint, data, models
+from dtrain import checkpoint, data
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, flatten, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
 from dtrain.core.logs import log_fitted
 from dtrain.files import names, outputs
 from dtrain.files.objstore import StoreUnanswered
-from dtrain.files.resume_policy import is_length_change
 from dtrain.files.store import RunDirLock, Store, check_run_dir_entries, write_atomic
 from dtrain.files.store_protocol import CheckpointStore
 from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
-from dtrain.loop.trainer import Callbacks, Trainer
+from dtrain.loop.trainer import Trainer
 from dtrain.models.spec import spec_of
 from dtrain.observe import (
     RunFacts,
     RunLog,
     StartupClock,
-    Throughput,
     attach_log_files,
     log,
-    peak_flops,
     profiling,
     setup_logging,
 )
 from dtrain.observe.trackers import check_installed as check_trackers
-from dtrain.process import compat, dist, slurm
+from dtrain.process import dist, slurm
 from dtrain.process import env as env_mod
 from dtrain.process import layout as layout_mod
-from dtrain.process.layout import Layout, Steps
+from dtrain.process.layout import Layout
 from dtrain.run import records
+from dtrain.run.components import (
+    build_callbacks,
+    build_checkpointer,
+    build_learner,
+    build_trainer,
+)
 from dtrain.run.pieces import Pieces, build_pieces
 from dtrain.run.remote import RemoteRun
-from dtrain.run.weights import base_identity
+from dtrain.run.resume import already_past, resume_or_start
 
 
 def resolve_run_name(cfg: Config, env: env_mod.Env, config_path: str | None = None) -> Config:
@@ -115,38 +122,6 @@ def claim_run_dir(
         remote.mirror.pull()
     remote.claimed = True
     return cfg.run_dir
-
-
-def state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None = None
-) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (EMA weights count
-    as such), and what the same state would take unsharded (DDP holds all of it on every rank)."""
-
-    def local_and_full(t: torch.Tensor) -> tuple[int, int]:
-        local = compat.local_part(t)
-        return local.numel() * local.element_size(), t.numel() * t.element_size()
-
-    totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
-    for p in model.parameters():
-        local, full = local_and_full(p)
-        totals["params"] += local
-        totals["unsharded"] += full
-        if p.requires_grad:  # its gradient, as large, exists from each backward to the step
-            totals["grads"] += local
-            totals["unsharded"] += full
-    for per_param in optimizer.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                local, full = local_and_full(value)
-                totals["optimizer"] += local
-                totals["unsharded"] += full
-    for average in ema.average if ema is not None else []:
-        local, full = local_and_full(average)
-        totals["optimizer"] += local
-        totals["unsharded"] += full
-    totals["total"] = totals["params"] + totals["grads"] + totals["optimizer"]
-    return totals
 
 
 def train(cfg: Config, config_path: str | None = None) -> str:
@@ -236,53 +211,24 @@ def _train(
     clock: StartupClock,
     remote: RemoteRun | None,
 ) -> str:
+    """Build the trainer's components, resume or start, and hand them to the loop."""
     run_dir = cfg.run_dir
     store = (  # the storage options also for a ckpt.resume in a store
         remote.store(run_dir)
         if remote
         else Store(run_dir, cfg.run.storage_options, cfg.run.store_timeout_s)
     )
-    model = pieces.model
-    optimizer = optim.build_optimizer(model, cfg.optim)
-    schedule = optim.build_schedule(
-        optimizer, cfg.sched, cfg.optim.lr, pieces.steps.total, cfg.ckpt.monitor_mode
-    )
+    learner = build_learner(cfg, pieces)
     torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
-    parts: dict[str, checkpoint.Stateful] = {"schedule": schedule}
-    parts.update(pieces.precision.checkpoint_parts())
     state = TrainState()
-    ema = EmaWeights.build(cfg.train.ema, model)  # None unless train.ema.decay is set
+    ema = EmaWeights.build(cfg.train.ema, learner.model)  # None unless train.ema.decay is set
     spec = spec_of(cfg.model)
-    checkpoints = checkpoint.Checkpointer(
-        ckpt=cfg.ckpt,
-        seed=cfg.run.seed,
-        config=to_dict(cfg),
-        layout=layout,
-        store=store,
-        model=model,
-        optimizer=optimizer,
-        state=state,
-        parts=parts,
-        model_info={
-            **models.model_info(cfg.model, pieces.datasets.info),
-            **base_identity(cfg.model, cfg.run.seed, pieces.starting_weights),
-        },
-        spec=spec,
-        ema=ema,
-    )
-    if pieces.starting_weights and not spec.holds_everything:  # the base is not in a checkpoint
-        log.info(pieces.starting_weights.load(model))
-    resumed = checkpoints.resume()
+    checkpoints = build_checkpointer(cfg, layout, store, pieces, learner, spec, state, ema)
+    resumed = resume_or_start(checkpoints, cfg, layout, pieces, spec, state, learner.schedule)
     if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):
         # Nothing trains: config.yaml and the run's record keep saying what was trained.
-        log.info(_already_past(cfg, state, cfg.run_url or run_dir))
+        log.info(already_past(cfg, state, cfg.run_url or run_dir))
         return "finished"
-    if resumed:
-        _reconcile_schedule(schedule, checkpoints.config_changes, cfg, state, layout, pieces.steps)
-        if pieces.starting_weights and spec.holds_everything:
-            log.info("model.init_from/pretrained not used: the resumed checkpoint has the weights")
-    elif pieces.starting_weights and spec.holds_everything:
-        log.info(pieces.starting_weights.load(model))
     # Every check has passed (a resume refused for a changed config ends above): the run's
     # record and its config.yaml are written only now.
     record.start(store, resuming=resumed is not None)
@@ -296,57 +242,18 @@ def _train(
     run_log = RunLog(cfg.log, facts, run_dir, dist.is_main(), state.step, checkpoints.superseded)
     if remote is not None:
         remote.mirror.start()  # and before each checkpoint's marker (RemoteRun.store)
-    pieces.notes.append(optim.describe_groups(optimizer))
+    pieces.notes.append(optim.describe_groups(learner.optimizer))
     clock.mark("run directory and resume")
     shown = f"{cfg.run_url} (staged in {run_dir})" if cfg.run_url else run_dir
     _banner(cfg, layout, pieces, shown, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
-
-    # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
-    # and where it changed since the checkpoint, from what: an elastic run shows its changes.
-    world: dict[str, Any] = {"world_size": layout.world_size}
-    if resumed and resumed.world_size != layout.world_size:
-        world["world_size_from"] = resumed.world_size
-        record.world_size_changed(resumed.world_size, layout.world_size, resumed.step)
-
-    def first_step() -> dict[str, Any]:
-        clock.mark("first step")
-        log_fitted(clock.line())
-        return {**world, **_log_state_bytes(model, optimizer, ema)}
-
-    callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
-    if layout.env.slurm_job_id and dist.is_main():
-        job_id = layout.env.slurm_job_id
-        callbacks.before_stop_save.append(
-            lambda last_save_s: slurm.check_grace(job_id, last_save_s)
-        )
-    peak = peak_flops(layout.device, cfg.train.precision)
-    throughput = Throughput(
-        getattr(pieces.task, "tokens_per_sample", None),
-        pieces.num_params,
-        peak * layout.world_size if peak else None,
-    )
-    trainer = Trainer(
-        train=cfg.train,
-        ckpt=cfg.ckpt,
-        channels_last=cfg.model.channels_last,
-        sync_batchnorm=cfg.parallel.sync_batchnorm,
-        layout=layout,
-        model=model,
-        task=pieces.task,
-        optimizer=optimizer,
-        schedule=schedule,
-        precision=pieces.precision,
-        datasets=pieces.datasets,
-        loaders=pieces.loaders,
-        checkpoints=checkpoints,
-        run_log=run_log,
-        callbacks=callbacks,
-        throughput=throughput,
+    callbacks = build_callbacks(layout, record, clock, resumed, learner, ema, profiler)
+    trainer = build_trainer(
+        cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks
     )
     try:
         profiler.start()
-        outcome = _fit_naming_lost_peers(trainer, cfg)
+        outcome = _fit_naming_lost_peers(trainer, cfg.dist.timeout_s)
         profiler.stop()
         final = {k: v for k, v in state.last_eval.items() if k.startswith("val_")}
         run_log.hparams(state.step, {**final, f"best_{cfg.ckpt.monitor}": state.best_metric})
@@ -357,81 +264,9 @@ def _train(
     return outcome
 
 
-# Changes of what a step is (allowed only with ckpt.resume_config_change=allow): the schedule
-# made for the old steps cannot continue as it was. train.epochs and train.max_steps are the
-# run's length: ckpt.on_length_change.
-_SCHEDULE_KEYS = (
-    "data.batch_size",
-    "train.grad_accum",
-    "sched.",
-)
-
-
-def _reconcile_schedule(
-    schedule: Any, changes: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
-) -> None:
-    """A resumed schedule keeps the length it had when the run started (another world size does
-    not bend it), unless the user changed the run's length on purpose: changes of what a step is
-    (allowed with ckpt.resume_config_change=allow) re-span it; a changed train.epochs or
-    train.max_steps does what ckpt.on_length_change says, in one line."""
-    if any(c.startswith(_SCHEDULE_KEYS) for c in changes):
-        log.info(
-            f"the learning-rate schedule now spans {steps.total} steps "
-            f"(was {schedule.total_steps}), following the changed config"
-        )
-        schedule.total_steps = max(1, steps.total)
-        return
-    length = [c for c in changes if is_length_change(c)]
-    if length:
-        log.info(_length_change(schedule, length, cfg, state, layout, steps))
-
-
-def _length_change(
-    schedule: Any, length: list[str], cfg: Config, state: TrainState, layout: Layout, steps: Steps
-) -> str:
-    """Applies ckpt.on_length_change to the schedule and says what the run now does."""
-    step_samples = layout.effective_batch
-    done_in_epoch = state.samples_in_epoch // step_samples
-    left = steps.per_epoch * (cfg.train.epochs - state.epoch) - done_in_epoch
-    end = state.step + max(0, left)
-    if cfg.train.max_steps:
-        end = min(end, cfg.train.max_steps)
-    said = (
-        f"run length changed on resume ({'; '.join(length)}): training continues from step "
-        f"{state.step} to step {end}"
-    )
-    lr_at = getattr(schedule, "lr_at", None)
-    if lr_at is None:  # a user's scheduler: built for the new length, then given its saved state
-        return f"{said}; the user schedule {cfg.sched.name} was built for {steps.total} steps"
-    old_total, before = schedule.total_steps, lr_at(state.step)
-    if cfg.ckpt.on_length_change == "keep":
-        return (
-            f"{said}; the learning-rate schedule keeps its {old_total} steps "
-            f"(ckpt.on_length_change=keep): lr {before:.4g} at step {state.step}, and "
-            f"{lr_at(old_total):.4g} from step {old_total} on"
-        )
-    schedule.total_steps = max(1, steps.total)
-    return (
-        f"{said}; the learning-rate schedule is re-spanned from {old_total} to "
-        f"{schedule.total_steps} steps, as if the run had been this long from the start "
-        f"(ckpt.on_length_change=respan): lr at step {state.step} {before:.4g} -> "
-        f"{lr_at(state.step):.4g}"
-    )
-
-
-def _already_past(cfg: Config, state: TrainState, shown: str) -> str:
-    asked = f"train.epochs={cfg.train.epochs}"
-    if cfg.train.max_steps:
-        asked += f", train.max_steps={cfg.train.max_steps}"
-    return (
-        f"{shown} is already at or past the asked length ({asked}): it trained to step "
-        f"{state.step}, epoch {state.epoch}; nothing to train, and its config.yaml and record "
-        f"are unchanged"
-    )
-
-
-def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
-    """Run the loop; a collective broken by another rank becomes one clear line naming it."""
+def _fit_naming_lost_peers(trainer: Trainer, timeout_s: float) -> str:
+    """Run the loop; a collective broken by another rank becomes one clear line naming it
+    (`timeout_s`: dist.timeout_s, how long the ranks waited)."""
     try:
         return trainer.fit()
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a failed collective
@@ -449,22 +284,9 @@ def _fit_naming_lost_peers(trainer: Trainer, cfg: Config) -> str:
         )
         raise PeerFailure(
             f"distributed error at step {step} on rank {dist.rank()}: {who} "
-            f"(collective timeout dist.timeout_s={cfg.dist.timeout_s:g} s); "
+            f"(collective timeout dist.timeout_s={timeout_s:g} s); "
             f"backend said: {first_line(e)}"
         ) from e
-
-
-def _log_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ema: EmaWeights | None
-) -> dict[str, int]:
-    sizes = state_bytes(model, optimizer, ema)
-    mib = {k: v / 2**20 for k, v in sizes.items()}
-    log_fitted(
-        f"state per rank: {mib['total']:.2f} MiB (params {mib['params']:.2f}, grads "
-        f"{mib['grads']:.2f}, optimizer {mib['optimizer']:.2f}); unsharded, as under DDP: "
-        f"{mib['unsharded']:.2f} MiB"
-    )
-    return {"state_bytes": sizes["total"], "state_bytes_unsharded": sizes["unsharded"]}
 
 
 def _banner(

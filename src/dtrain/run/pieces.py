@@ -156,7 +156,7 @@ def _check_task(
     )
     try:
         with precision.autocast():
-            problem = tasks.check(task, model, batch, monitored_metric(cfg))
+            problem = tasks.check(task, model, batch, monitored_metric(cfg.ckpt, cfg.train.ema))
     except UserError as e:
         problem = str(e)
     except (RuntimeError, ValueError) as e:  # e.g. a layer of width 0: torch refuses the batch
