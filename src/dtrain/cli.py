@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import dtrain
 from dtrain import config
+from dtrain.commands.export.formats import FORMATS as EXPORT_FORMATS
 from dtrain.commands.tokenize import options as tokenize_options
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
 from dtrain.core.urls import redacted
@@ -294,7 +295,7 @@ def _commands() -> dict[str, tuple[argparse.ArgumentParser, Handler]]:
     )
     p.add_argument(
         "--format",
-        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft"),
+        choices=tuple(EXPORT_FORMATS),
         default="state_dict",
         help="onnx and safetensors need the 'export' extra, hf (a Hugging Face model's folder) "
         "the 'transformers' extra, peft (a LoRA run's adapters) the 'peft' extra; a LoRA run's "
