@@ -96,7 +96,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dtrain.commands import evaluate as evaluate_cmd
+    from dtrain.commands.evaluate import command as evaluate_cmd
 
     return evaluate_cmd.main(args)
 

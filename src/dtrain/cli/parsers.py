@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from dtrain.commands.export.formats import FORMATS as EXPORT_FORMATS
 from dtrain.commands.tokenize import options as tokenize_options
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
 
@@ -116,7 +117,7 @@ def _export(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("state_dict", "torchscript", "exported", "onnx", "safetensors", "hf", "peft"),
+        choices=tuple(EXPORT_FORMATS),
         default="state_dict",
         help="onnx and safetensors need the 'export' extra, hf (a Hugging Face model's folder) "
         "the 'transformers' extra, peft (a LoRA run's adapters) the 'peft' extra; a LoRA run's "

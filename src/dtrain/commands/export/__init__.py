@@ -1,3 +1,2 @@
-"""`dtrain export`: a checkpoint's model as files that load without dtrain (a state dict,
-TorchScript, torch.export, ONNX, safetensors, a Hugging Face or peft folder), each checked
-against the checkpoint's own outputs."""
+"""`dtrain export`: the command, the registry of the formats it writes (formats.py), each format's
+writing and read-back check in its own module, and the checkpoint's model they all start from."""

@@ -1,6 +1,6 @@
 """The tensors of a LoRA run's merged model, read tensor by tensor: `dtrain export --format hf`
 of a sharded checkpoint of a LoRA fine-tune on an `hf:` base writes them file by file
-(hf_stream.py) without the model whole in memory.
+(hf_folder.py) without the model whole in memory.
 
 The checkpoint holds only what trained (the adapters, a `modules_to_save` copy, buffers); the
 base's own weights are read from its folder, after its digest is checked against the one the
@@ -30,8 +30,8 @@ from dtrain import config, models
 from dtrain.checkpoint.load import trained_shapes
 from dtrain.checkpoint.state import read_sharded_in_parts, shape_mismatch
 from dtrain.core.errors import UserError
-from dtrain.models import hf, lora
-from dtrain.models.spec import spec_of
+from dtrain.models import hf
+from dtrain.models.spec import ModelSpec, spec_of
 from dtrain.run.weights import prepare_base
 
 ADAPTER = "default"  # peft's name for the one adapter model.lora makes
@@ -76,14 +76,15 @@ def merged(
         return None
     with torch.device("meta"):
         adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
-    held = trained_shapes(adapted, spec_of(cfg.model))
-    trained = {lora.base_name(k) for k in held}
+    spec = spec_of(cfg.model)
+    held = trained_shapes(adapted, spec)
+    trained = set(spec.base_names(list(held)).values())
     source = hf.resolve(cfg.model.name)
     files = hf.WeightFiles(cfg.model.name, source)
     named = base.state_dict(keep_vars=True)
     if any(n not in trained and files.shape(n) != tuple(named[n].shape) for n in written):
         return None
-    layers = _layers(adapted)
+    layers = _layers(adapted, spec)
     uses = Counter(id(tensor) for tensor in named.values())
     if any(n not in named or uses[id(named[n])] > 1 for n in layers):
         return None  # merging a tied weight would change its twin too
@@ -95,19 +96,21 @@ def merged(
     problem = shape_mismatch(held, {k: tuple(v.shape) for k, v in saved.items()})
     if problem:
         raise UserError(f"checkpoint error: {where}: {problem}")
-    adapters = {k: v for k, v in saved.items() if lora.base_name(k) is None}
+    in_base = spec.base_names(list(saved))  # what trained in full; the rest are the adapters
+    adapters = {k: v for k, v in saved.items() if k not in in_base}
     adapted.load_state_dict(adapters, strict=False, assign=True)
-    in_full = {str(lora.base_name(k)): v for k, v in saved.items() if k not in adapters}
+    in_full = {in_base[k]: v for k, v in saved.items() if k in in_base}
     return Merged(layers, in_full, files)
 
 
-def _layers(adapted: nn.Module) -> dict[str, Any]:
+def _layers(adapted: nn.Module, spec: ModelSpec) -> dict[str, Any]:
     """peft's adapted layers, by the base-model name of the weight they adapt."""
     from peft.tuners.lora import LoraLayer
 
     found = {}
     for name, module in adapted.named_modules():
-        key = lora.base_name(f"{name}.base_layer.weight")
+        weight = f"{name}.base_layer.weight"
+        key = spec.base_names([weight]).get(weight)
         if isinstance(module, LoraLayer) and key is not None:
             found[key] = module
     return found

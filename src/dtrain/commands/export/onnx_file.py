@@ -48,11 +48,20 @@ class CheckBatch:
     preprocess: dict[str, str] = field(default_factory=dict)  # the data's on-device step
 
 
-def export(
-    model: nn.Module, meta: dict, path: str, out: str, overrides: list[str], weights: str = "model"
-) -> tuple[float, str]:
-    """Export `model` to `out`, check it under onnxruntime; returns the largest absolute
-    difference to PyTorch's outputs and the verdict's line."""
+@dataclass(frozen=True)
+class Written:
+    """What the check needs of the writing: the batch traced, and the report line's facts."""
+
+    batch: CheckBatch
+    opset: int | str
+    seconds: float
+
+
+def write(
+    model: nn.Module, meta: dict, out: str, overrides: list[str], weights: str = "model"
+) -> Written:
+    """Export `model` to `out` on the first validation batch (`overrides`: data.* keys that
+    say where it is read from); `weights`: which of the checkpoint's, for the metadata."""
     batch = validation_inputs(meta, overrides)
     inputs = batch.inputs
     seq_len = meta["model_info"].get("seq_len") if batch.language else None
@@ -60,9 +69,15 @@ def export(
     program = _onnx_program(model, inputs, _dynamic_shapes(inputs, seq_len))
     program.model.metadata_props.update(_metadata(meta, weights, batch))
     program.save(out)
-    seconds = time.perf_counter() - started
-    others = smaller(inputs, batch.language)
-    found = check(model, out, [inputs, *(each for each, _ in others)])
+    return Written(batch, _opset(program), time.perf_counter() - started)
+
+
+def read_back(model: nn.Module, path: str, out: str, written: Written) -> tuple[float, str]:
+    """Check `out` under onnxruntime on the traced batch and smaller ones; returns the largest
+    absolute difference to PyTorch's outputs and the verdict's line."""
+    batch = written.batch
+    others = smaller(batch.inputs, batch.language)
+    found = check(model, out, [batch.inputs, *(each for each, _ in others)])
     items = [batch.source, *(what for _, what in others)]
     checked = ", ".join(items[:-1]) + " and " + items[-1]
     if not found <= TOLERANCE:  # NaN fails too
@@ -72,7 +87,7 @@ def export(
             f"(> {TOLERANCE}) on {checked}; {out} was not written"
         )
     return found, (
-        f"exported {path} -> {out} (onnx, opset {_opset(program)}, {seconds:.1f} s); "
+        f"exported {path} -> {out} (onnx, opset {written.opset}, {written.seconds:.1f} s); "
         f"onnxruntime agrees with PyTorch on {checked}: "
         f"max abs difference {found:.2g} <= {TOLERANCE}"
     )

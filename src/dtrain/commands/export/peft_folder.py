@@ -16,6 +16,7 @@ from torch import nn
 
 from dtrain import config, tasks
 from dtrain.commands.export.check import TOLERANCE, difference, report
+from dtrain.commands.export.checkpoint_model import example_input
 from dtrain.core.errors import UserError
 from dtrain.files import outputs
 from dtrain.models import lora
@@ -32,11 +33,19 @@ def check_model(meta: dict) -> None:
         )
 
 
-def export(module: nn.Module, meta: dict, path: str, out: str, example: Any) -> tuple[float, str]:
-    """Write the folder `out` (a new one), load it onto the base as a user would, compare."""
+def write(module: nn.Module, out: str) -> None:
+    """Write the folder `out` (a new one) as peft does."""
     model: Any = module  # a peft PeftModel (models.lora's)
     model.save_pretrained(out)
     outputs.as_ordinary_files(out)
+
+
+def read_back(module: nn.Module, meta: dict, path: str, out: str) -> tuple[float, str]:
+    """Load `out` onto a freshly built base as a user would and compare with `module` on the
+    task's example input (none: the adapters' weights, by name); `path`: the checkpoint in the
+    line."""
+    model: Any = module
+    example = example_input(meta)
     cfg = config.from_dict(meta["config"])
     base = base_model(cfg, meta["model_info"])
     reloaded = lora.library("dtrain export --format peft").PeftModel.from_pretrained(base, out)

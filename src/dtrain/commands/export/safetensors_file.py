@@ -40,16 +40,14 @@ def paths(out: str) -> tuple[str, str]:
     return os.path.join(out, WEIGHTS_FILE), os.path.join(out, CONFIG_FILE)
 
 
-def export(
-    model: nn.Module, meta: dict, path: str, out: str, weights: str = "model"
-) -> tuple[float, str]:
-    """Write the weights and config, load them back as a user would, and compare."""
+def write(model: nn.Module, meta: dict, out: str, weights: str = "model") -> None:
+    """Write the weights and the config (`paths(out)`); `weights`: which of the checkpoint's,
+    for the metadata."""
     from safetensors.torch import save_file
 
     file, config_file = paths(out)
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-    state = model.state_dict()
-    tensors, tied = untied(state)
+    tensors, tied = untied(model.state_dict())
     cfg = config.from_dict(meta["config"])
     metadata = {
         "format": "pt",
@@ -66,6 +64,13 @@ def export(
     outputs.as_ordinary_files(file)
     with open(config_file, "w", encoding="utf-8") as f:
         f.write(config.dump(cfg))
+
+
+def read_back(model: nn.Module, path: str, out: str) -> tuple[float, str]:
+    """Load the weights back as a user would (`load`) and compare them with `model`'s; `path`:
+    the checkpoint in the line."""
+    file, config_file = paths(out)
+    state = model.state_dict()
     reloaded = load(file, config_file)
     found = difference(list(state.values()), [reloaded[k] for k in state])
     if found != 0:  # weights are copied, not computed: anything but equality is a fault
