@@ -1,5 +1,5 @@
-"""One resolved layout: what a launch means, worked out once from (Config, Env), read by the
-run, the plan, the trainer and the checkpointer."""
+"""One resolved layout: what a launch means, worked out once from (Env, the parallel strategy's
+mesh), read by the run, the plan, the trainer and the checkpointer."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import TINY, launch
-from dtrain import config
+from dtrain import config, parallel
 from dtrain.commands.plan import command as plan
 from dtrain.process.env import Env
 from dtrain.core.errors import UserError
 from dtrain.data.sampler import epoch_steps
-from dtrain.process.layout import resolve
+from dtrain.process import layout as layout_mod
 
 
 def _env(world: int, rank: int = 0, nodes: int = 1) -> Env:
@@ -25,6 +25,13 @@ def _env(world: int, rank: int = 0, nodes: int = 1) -> Env:
 
 def _cfg(*overrides: str) -> config.Config:
     return config.load(None, [*TINY, *overrides])
+
+
+def resolve(cfg: config.Config, env: Env, device: torch.device | None = None) -> layout_mod.Layout:
+    """The layout of `cfg` launched as `env`, as the run resolves it."""
+    return layout_mod.resolve(env, parallel.mesh(cfg.parallel, env), backend=cfg.dist.backend,
+                              batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
+                              checkpoint_format=cfg.ckpt.format, device=device)
 
 
 def test_layout_of_each_mode() -> None:

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +39,6 @@ from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 from dtrain.process.whereabouts import Whereabouts
 from dtrain.tasks import Task
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass
@@ -356,13 +353,7 @@ class Trainer:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
         if self.accum == 1:
             return parallel.NOTHING
-        if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
-            cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
-            return parallel.NOTHING
-        no_sync = getattr(self.model, "no_sync", None) if not sync else None
-        if no_sync is not None:
-            return no_sync()
-        return parallel.NOTHING
+        return parallel.gradient_sync(self.layout, self.model, sync)
 
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import checkpoint, data, models
+from dtrain import checkpoint, data, models, parallel
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
@@ -154,7 +154,14 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
-    layout = layout_mod.resolve(cfg, env)
+    layout = layout_mod.resolve(
+        env,
+        parallel.mesh(cfg.parallel, env),
+        backend=cfg.dist.backend,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpoint_format=cfg.ckpt.format,
+    )
     check_trackers(cfg)  # an enabled tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
     clock.mark("process group")
