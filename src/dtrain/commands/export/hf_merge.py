@@ -74,7 +74,9 @@ def merged(
     if not cfg.model.name.startswith("hf:") or cfg.model.init_from:
         return None
     with torch.device("meta"):
-        adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+        adapted: Any = models.build(
+            cfg.model, meta["model_info"], cfg.run.seed, models.Weights.NONE
+        )
     held = trained_shapes(adapted, adapters_only=True)
     trained = {lora.base_name(k) for k in held}
     source = hf.resolve(cfg.model.name)

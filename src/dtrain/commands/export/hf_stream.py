@@ -94,7 +94,9 @@ def source(folder: str, meta: dict, where: str) -> Source | None:
     None for a LoRA run whose merge hf_merge cannot read tensor by tensor."""
     cfg = config.from_dict(meta["config"])
     with torch.device("meta"):  # a LoRA run's: its base, which the export holds merged
-        model: Any = models.build(lora.without(cfg).model, meta["model_info"], cfg.run.seed)
+        model: Any = models.build(
+            lora.without(cfg).model, meta["model_info"], cfg.run.seed, models.Weights.NONE
+        )
     names = saved_names(model)
     if not lora.enabled(cfg.model):
         shapes = model.state_dict()
