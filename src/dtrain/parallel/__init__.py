@@ -15,16 +15,14 @@ import dataclasses
 from torch import nn
 
 from dtrain.config import ParallelConfig
-from dtrain.parallel.batchnorm import CrossRankBatchNorm, average_buffers, convert_sync_batchnorm
-from dtrain.parallel.blocks import describe_blocks, find_blocks, own_block_classes
-from dtrain.parallel.strategy import (
+from dtrain.parallel.batchnorm import average_buffers
+from dtrain.parallel.blocks import find_blocks
+from dtrain.parallel.strategies import (
     BY_MODE,
     DDP,
     FSDP,
-    HSDP,
     NOTHING,
     Counted,
-    SingleProcess,
     Strategy,
     chosen,
     configured,
@@ -35,24 +33,16 @@ from dtrain.process.env import Env
 from dtrain.process.layout import Layout, Mesh
 
 __all__ = [
-    "DDP",
-    "FSDP",
-    "HSDP",
     "NOTHING",
     "Counted",
-    "CrossRankBatchNorm",
-    "SingleProcess",
     "Strategy",
     "average_buffers",
-    "convert_sync_batchnorm",
     "configured",
     "counted",
-    "describe_blocks",
     "find_blocks",
     "for_world_size",
     "gradient_sync",
     "mesh",
-    "own_block_classes",
     "reshard",
     "strategy",
     "unwrap",
