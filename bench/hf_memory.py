@@ -59,7 +59,7 @@ def rank_side(side: str, folder: str) -> None:
     began = time.perf_counter()
     if side == "dtrain":
         from dtrain import config
-        from dtrain.parallel import build
+        from dtrain import parallel
         from dtrain.parallel.precision import Precision
         from dtrain.process.env import detect
         from dtrain.process.layout import resolve
@@ -67,8 +67,12 @@ def rank_side(side: str, folder: str) -> None:
         cfg = config.load(None, [f"model.name=hf:{folder}", "model.args={}",
                                  "parallel.mode=fsdp", "task.name=language_model",
                                  "ckpt.monitor=val_loss", "ckpt.monitor_mode=min"])
-        layout = resolve(cfg, detect(), torch.device("cpu"))
-        model, _, notes = build(cfg, {}, layout, Precision("fp32", layout.device, True))
+        env = detect()
+        layout = resolve(env, parallel.mesh(cfg.parallel, env), backend=cfg.dist.backend,
+                         batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
+                         checkpoint_format=cfg.ckpt.format, device=torch.device("cpu"))
+        model, _, notes = parallel.strategy(cfg.parallel, layout).build(
+            cfg.model, {}, cfg.run.seed, Precision("fp32", layout.device, True))
         assert any("shard by shard" in n for n in notes), notes
         read = [float(n.split("safetensors (")[1].split(" of ")[0]) * 2**20 for n in notes
                 if "weights read by rows" in n][0]

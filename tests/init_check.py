@@ -29,15 +29,22 @@ CASES = [
 ]
 
 
+def _layout(cfg: config.Config, launch: env.Env) -> layout.Layout:
+    return layout.resolve(launch, parallel.mesh(cfg.parallel, launch), backend=cfg.dist.backend,
+                          batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
+                          checkpoint_format=cfg.ckpt.format)
+
+
 def main() -> None:
     launch = env.detect()
     cfg = config.load(None, ["parallel.mode=fsdp"])
-    dist.init(layout.resolve(cfg, launch), cfg.dist)
+    dist.init(_layout(cfg, launch), cfg.dist)
     for name, args, info in CASES:
         cfg = config.load(None, [f"model.name={name}", f"model.args={args}", "parallel.mode=fsdp"])
-        resolved = layout.resolve(cfg, launch)
+        resolved = _layout(cfg, launch)
         precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, resolved)
-        wrapped, count, notes = parallel.build(cfg, info, resolved, precision)
+        strategy = parallel.strategy(cfg.parallel, resolved)
+        wrapped, count, notes = strategy.build(cfg.model, info, cfg.run.seed, precision)
         full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
         if dist.is_main():

@@ -1,5 +1,5 @@
-"""One resolved layout: what a launch means, worked out once from (Config, Env), read by the
-run, the plan, the trainer and the checkpointer."""
+"""One resolved layout: what a launch means, worked out once from (Env, the parallel strategy's
+mesh), read by the run, the plan, the trainer and the checkpointer."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import TINY, launch
-from dtrain import config
+from dtrain import config, parallel
 from dtrain.commands.plan import command as plan
 from dtrain.process.env import Env
 from dtrain.core.errors import UserError
 from dtrain.data.sampler import epoch_steps
-from dtrain.process.layout import resolve
+from dtrain.process import layout as layout_mod
 
 
 def _env(world: int, rank: int = 0, nodes: int = 1) -> Env:
@@ -25,6 +25,13 @@ def _env(world: int, rank: int = 0, nodes: int = 1) -> Env:
 
 def _cfg(*overrides: str) -> config.Config:
     return config.load(None, [*TINY, *overrides])
+
+
+def resolve(cfg: config.Config, env: Env, device: torch.device | None = None) -> layout_mod.Layout:
+    """The layout of `cfg` launched as `env`, as the run resolves it."""
+    return layout_mod.resolve(env, parallel.mesh(cfg.parallel, env), backend=cfg.dist.backend,
+                              batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
+                              checkpoint_format=cfg.ckpt.format, device=device)
 
 
 def test_layout_of_each_mode() -> None:
@@ -105,3 +112,38 @@ def test_console_lines_between_agreements_show_the_last_loss_read(run_dir: Path)
             assert " loss " not in line, line
         elif step < 12:  # the loss read at the last agreement (every 4 steps), with its step
             assert f"loss_step {step - step % 4}" in line, line
+
+
+def test_one_strategy_per_mode_answers_what_differs() -> None:
+    """parallel/ picks the strategy from the section and the launch; nothing else names a mode."""
+    from dtrain.parallel import strategies
+
+    cases = [((), 4, strategies.DDP), (("parallel.mode=fsdp",), 4, strategies.FSDP),
+             (("parallel.mode=fsdp", "parallel.fsdp.hybrid_replicas=2"), 4, strategies.HSDP),
+             (("parallel.mode=fsdp",), 1, strategies.SingleProcess)]
+    for overrides, world, expected in cases:
+        cfg = _cfg(*overrides)
+        layout = resolve(cfg, _env(world, nodes=2 if world == 4 else 1), torch.device("cpu"))
+        chosen = parallel.strategy(cfg.parallel, layout)
+        assert type(chosen) is expected and layout.sharded == expected.sharded
+    # evaluation at a world size the replica groups do not divide shards over all ranks
+    hsdp = _cfg("parallel.mode=fsdp", "parallel.fsdp.hybrid_replicas=2").parallel
+    assert parallel.for_world_size(hsdp, 3).fsdp.hybrid_replicas == 1
+    assert parallel.for_world_size(hsdp, 4) is hsdp
+    # what plan counts: replicated and sharded, and the one the section asks for
+    rows, asked = parallel.counted(hsdp, _env(4, nodes=2))
+    assert [(r.row, r.shards, r.sharded) for r in rows] == [("ddp", 1, False), ("fsdp", 2, True)]
+    assert asked is rows[1]
+    # a single process syncs every micro-batch: nothing to switch
+    single = resolve(_cfg(), _env(1), torch.device("cpu"))
+    assert parallel.gradient_sync(single, torch.nn.Linear(2, 2), False) is parallel.NOTHING
+
+
+def test_planning_builds_no_weights() -> None:
+    from dtrain import models
+
+    cfg = _cfg()
+    info = {"num_classes": 10, "in_channels": 3, "image_size": 32}
+    planned = models.build(cfg.model, info, 0, models.Weights.NONE)
+    assert all(p.device.type == "meta" for p in planned.parameters())
+    assert all(p.device.type == "cpu" for p in models.build(cfg.model, info, 0).parameters())

@@ -15,7 +15,7 @@ import gc
 import math
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
@@ -33,9 +33,6 @@ from dtrain.loop.state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import log, memory_stats
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
 
 
 class Trainer:
@@ -322,13 +319,7 @@ class Trainer:
         """Synchronise gradients only on the last micro-batch of an accumulated step."""
         if self.accum == 1:
             return parallel.NOTHING
-        if self.layout.is_fsdp:  # parallel.wrap made the model an FSDPModule
-            cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
-            return parallel.NOTHING
-        no_sync = getattr(self.model, "no_sync", None) if not sync else None
-        if no_sync is not None:
-            return no_sync()
-        return parallel.NOTHING
+        return parallel.gradient_sync(self.layout, self.model, sync)
 
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

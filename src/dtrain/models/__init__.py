@@ -7,7 +7,10 @@ every rank starts from the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import enum
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -271,14 +274,32 @@ def model_info(cfg: ModelConfig, info: dict[str, Any]) -> dict[str, Any]:
     return {**info, "num_classes": cfg.num_classes or info.get("num_classes")}
 
 
-def build(cfg: ModelConfig, info: dict[str, Any], seed: int) -> nn.Module:
+class Weights(enum.Enum):
+    """What `build` gives the model's parameters."""
+
+    LOAD = "load"  # its own: drawn from the seed, or read from the files it names (`hf:`)
+    LATER = "later"  # left for the caller to fill (nothing drawn, nothing read): FSDP's reads
+    NONE = "none"  # shapes alone, on the meta device: `dtrain plan` planning a run
+
+
+def build(
+    cfg: ModelConfig, info: dict[str, Any], seed: int, weights: Weights = Weights.LOAD
+) -> nn.Module:
     """The model named by `model.name` (see registry.MODELS), initialised identically on every
     rank from `seed`, with LoRA adapters when model.lora.r is set. `info` is what the datasets
-    say (number of classes, channels, image size, vocabulary, ...)."""
+    say (number of classes, channels, image size, vocabulary, ...). A builder that reads weights
+    from files takes `weights` as a keyword and is told what to do with them; under
+    `Weights.NONE` every builder runs on the meta device."""
+    with torch.device("meta") if weights is Weights.NONE else contextlib.nullcontext():
+        return _built(cfg, info, seed, weights)
+
+
+def _built(cfg: ModelConfig, info: dict[str, Any], seed: int, weights: Weights) -> nn.Module:
     builder = registry.MODELS.builder(cfg.name)
+    told = {"weights": weights} if "weights" in inspect.signature(builder).parameters else {}
     torch.manual_seed(seed)
     try:
-        model = builder(cfg, info)
+        model = builder(cfg, info, **told)
     except (TypeError, ValueError, RuntimeError, ArithmeticError) as e:
         # A builder's (or torch's) refusal of a value: the config's, one line naming the key.
         raise UserError(

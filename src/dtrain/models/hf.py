@@ -11,13 +11,10 @@ folder that names code of its own (`auto_map`) is refused unless `model.trust_re
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import difflib
 import json
 import math
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +25,7 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import refuse_folder_code, require
 from dtrain.files.digests import new_hash
 from dtrain.files.safetensors_header import BadSafetensors, Tensor, read_header
+from dtrain.models import Weights
 
 PREFIXES = ("hf:", "hf-config:")
 CONFIG_FILE = "config.json"
@@ -35,26 +33,20 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-# Set while FSDP builds an `hf:` model shard by shard: the weights are read afterwards, each rank
-# its own rows of each tensor (WeightFiles, parallel/sharded_init.fill_from).
-_WEIGHTS_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "weights_later", default=False
-)
-
-
-def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
-    """`hf:PATH`: the model with the folder's weights (inside `weights_later`, without: the
-    caller reads them)."""
+def build(cfg: ModelConfig, info: dict[str, Any], weights: Weights = Weights.LOAD) -> nn.Module:
+    """`hf:PATH`: the model with the folder's weights; with `Weights.LATER` without them (nothing
+    drawn either: the caller reads every tensor, as FSDP does by rows into its shards, see
+    `WeightFiles`); with `Weights.NONE` the shapes alone (`dtrain plan`, on the meta device)."""
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
     tensors = check_weights(cfg.name, folder)
-    if torch.get_default_device().type == "meta":  # dtrain plan: the shapes alone
+    if weights is Weights.NONE:
         return cls(config)
     saved = cls.config_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     saved_labels = getattr(saved, "num_labels", None)
     fresh_head = getattr(config, "num_labels", None) != saved_labels
     _check_shapes(cfg.name, folder, _shapes_of(cls, config), tensors, fresh_head)
-    if _WEIGHTS_LATER.get():  # the caller reads every tensor: none is drawn first
+    if weights is Weights.LATER:
         from transformers.initialization import no_init_weights
 
         with no_init_weights():
@@ -70,17 +62,6 @@ def build(cfg: ModelConfig, info: dict[str, Any]) -> nn.Module:
         # A classifier for other classes than the folder's: its head starts afresh.
         ignore_mismatched_sizes=fresh_head,
     )
-
-
-@contextlib.contextmanager
-def weights_later() -> Iterator[None]:
-    """Within: `build` makes an `hf:` model with fresh weights, for the caller to fill from
-    `WeightFiles`."""
-    token = _WEIGHTS_LATER.set(True)
-    try:
-        yield
-    finally:
-        _WEIGHTS_LATER.reset(token)
 
 
 def late_weights(cfg: ModelConfig, info: dict[str, Any]) -> WeightFiles | None:

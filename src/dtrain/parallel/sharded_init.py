@@ -285,7 +285,7 @@ def build_local(
     return model, params, buffers
 
 
-class Weights(Protocol):
+class WeightReader(Protocol):
     """Where `fill_from` reads a model's weights by name (models/hf.py's WeightFiles)."""
 
     def shape(self, key: str) -> tuple[int, ...] | None: ...
@@ -297,7 +297,7 @@ def materialize(
     sharded: nn.Module,
     params: dict[str, Any],
     buffers: dict[str, Any],
-    weights: Weights | None = None,
+    weights: WeightReader | None = None,
 ) -> None:
     """Copy the values `build_local` kept into `sharded` (the same model, wrapped by fully_shard
     and materialised with `to_empty`): each rank's parameter shards, and whole buffers. With

@@ -1,11 +1,13 @@
-"""The run's layout, resolved once from (Config, Env), before any process group exists.
+"""The run's layout, resolved once from the launch (Env) and how the parallel strategy lays the
+ranks out (Mesh), before any process group exists.
 
 Every figure that depends on how a run is launched — how many ranks on how many nodes, the
-device and backend, whether FSDP shards and over how many ranks, the effective batch, the
+device and backend, over how many ranks the model's state is split, the effective batch, the
 checkpoint format, and (given the training set's size) the steps per epoch and in total — is
 worked out here and nowhere else. `run` builds the run from it, the trainer and the checkpointer
 read it, and `dtrain plan` resolves the same layout for a launch that has not happened, so the
-plan cannot disagree with the run.
+plan cannot disagree with the run. What differs between parallel modes is not decided here: the
+strategy (`parallel.mesh`) fills in a Mesh, and the layout copies its plain fields.
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
-from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.process.env import Env, device_index
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """How a parallel strategy lays the ranks out: its mode's name, `replicas` groups that each
+    split the model's state over `shards` ranks (this rank holds shard `shard_index`), and what
+    follows from the strategy for the rest of the run."""
+
+    mode: str  # parallel.mode of the strategy that runs (a single process: "none")
+    sharded: bool = False  # parameters, gradients and optimizer state split over `shards` ranks
+    replicas: int = 1
+    shards: int = 1
+    shard_index: int = 0
+    checkpoint_format: str = "full"  # what ckpt.format=auto becomes
+    cpu_collectives: bool = False  # collectives on CPU tensors besides the device's
 
 
 @dataclass(frozen=True)
@@ -33,9 +49,10 @@ class Layout:
     env: Env
     device: torch.device  # this rank's
     backend: str | None  # None for a single process
-    mode: str  # "ddp" | "fsdp" | "none": what the model is wrapped in (no wrapper alone)
-    replicas: int  # FSDP: replica groups (HSDP); 1 otherwise
-    shards: int  # FSDP: ranks a parameter is split over; 1 otherwise
+    mode: str  # the parallel strategy's mode: what the model is wrapped in ("none": nothing)
+    sharded: bool  # the model's state split over `shards` ranks (FSDP, HSDP)
+    replicas: int  # groups that each hold the whole model (HSDP); 1 otherwise
+    shards: int  # ranks a parameter is split over; 1 otherwise
     shard_index: int  # which shard this rank holds
     batch_size: int  # per rank and micro-batch
     grad_accum: int
@@ -59,7 +76,8 @@ class Layout:
 
     @property
     def is_fsdp(self) -> bool:
-        return self.mode == "fsdp"
+        """Whether the model is sharded (FSDP2's `fully_shard`, on a 1-D or 2-D mesh)."""
+        return self.sharded
 
     @property
     def effective_batch(self) -> int:
@@ -91,45 +109,33 @@ def pick_backend(requested: str, device: torch.device, cpu_collectives: bool = F
     return requested
 
 
-def resolve(cfg: Config, env: Env, device: torch.device | None = None) -> Layout:
-    """The layout of `cfg` launched as `env` (this rank's device unless one is given: `plan`
-    describes rank 0 of a launch elsewhere). Combinations that cannot work are a UserError."""
-    world = env.world_size
-    mode = cfg.parallel.mode
-    if mode == "none" and world > 1:
-        raise UserError(
-            f"config error: parallel.mode: 'none' with {world} ranks would train {world} "
-            f"unrelated models; use ddp or fsdp"
-        )
-    if not env.distributed:
-        mode = "none"  # one process: nothing to wrap the model in
-    replicas, shards, index = 1, 1, 0
-    if mode == "fsdp":
-        replicas = cfg.parallel.fsdp.hybrid_replicas
-        if world % replicas:
-            raise UserError(
-                f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide the "
-                f"world size {world}"
-            )
-        shards = world // replicas
-        index = env.rank % shards  # the last dimension of the (replicas, shards) mesh
+def resolve(
+    env: Env,
+    mesh: Mesh,
+    *,
+    backend: str,
+    batch_size: int,
+    grad_accum: int,
+    checkpoint_format: str,
+    device: torch.device | None = None,
+) -> Layout:
+    """The layout of a launch as `env` laid out as `mesh` (dist.backend `backend`, ckpt.format
+    `checkpoint_format`), on this rank's device unless one is given: `plan` describes rank 0 of a
+    launch elsewhere. A backend that cannot work is a UserError."""
     device = device if device is not None else pick_device(env)
-    backend = None
-    if env.distributed:
-        cpu_collectives = mode == "fsdp" and cfg.parallel.fsdp.cpu_offload
-        backend = pick_backend(cfg.dist.backend, device, cpu_collectives)
-    fmt = cfg.ckpt.format
-    if fmt == "auto":
-        fmt = "sharded" if mode == "fsdp" else "full"
+    chosen = pick_backend(backend, device, mesh.cpu_collectives) if env.distributed else None
     return Layout(
         env=env,
         device=device,
-        backend=backend,
-        mode=mode,
-        replicas=replicas,
-        shards=shards,
-        shard_index=index,
-        batch_size=cfg.data.batch_size,
-        grad_accum=cfg.train.grad_accum,
-        checkpoint_format=fmt,
+        backend=chosen,
+        mode=mesh.mode,
+        sharded=mesh.sharded,
+        replicas=mesh.replicas,
+        shards=mesh.shards,
+        shard_index=mesh.shard_index,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        checkpoint_format=mesh.checkpoint_format
+        if checkpoint_format == "auto"
+        else checkpoint_format,
     )

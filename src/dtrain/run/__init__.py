@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from dtrain import checkpoint, data
+from dtrain import checkpoint, data, parallel
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, flatten, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
@@ -131,7 +131,14 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
-    layout = layout_mod.resolve(cfg, env)
+    layout = layout_mod.resolve(
+        env,
+        parallel.mesh(cfg.parallel, env),
+        backend=cfg.dist.backend,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpoint_format=cfg.ckpt.format,
+    )
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
     clock.mark("process group")

@@ -128,15 +128,17 @@ def _model_and_task(
     parameters; how it was built joins `notes`), checked once on a validation batch."""
     task = tasks.build(cfg.task, datasets.info)
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
-    wrapped, num_params, model_notes = parallel.build(cfg, datasets.info, layout, precision)
+    strategy = parallel.strategy(cfg.parallel, layout)
+    wrapped, num_params, model_notes = strategy.build(
+        cfg.model, datasets.info, cfg.run.seed, precision
+    )
     notes += model_notes
     described = spec_of(cfg.model).describe(wrapped)
     if described:
         notes.append(described)
     clock.mark("model and wrap")
     _check_task(cfg, layout, task, wrapped, precision, val_loader, datasets.on_device)
-    if layout.is_fsdp:
-        parallel.reshard(wrapped)
+    strategy.settle(wrapped)
     return task, wrapped, precision, num_params
 
 

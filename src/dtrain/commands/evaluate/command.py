@@ -25,7 +25,7 @@ import os
 import tempfile
 from typing import Any
 
-from dtrain import config, data
+from dtrain import config, data, parallel
 from dtrain.commands.evaluate.chosen import Chosen, check_ema, choose, fetched, load_weights
 from dtrain.config import Config, registry
 from dtrain.core.errors import UserError
@@ -97,16 +97,18 @@ def _merge(base: dict, top: dict) -> None:
 
 
 def eval_layout(cfg: Config, env: env_mod.Env) -> tuple[Config, Layout]:
-    """The training layout at this launch's world size, and the config it was resolved from.
-    HSDP's replica count is a training choice that need not divide another world size:
-    evaluation shards over all ranks then."""
-    fsdp = cfg.parallel.fsdp
-    if cfg.parallel.mode == "fsdp" and env.world_size % fsdp.hybrid_replicas:
-        parallel_cfg = dataclasses.replace(
-            cfg.parallel, fsdp=dataclasses.replace(fsdp, hybrid_replicas=1)
-        )
-        cfg = dataclasses.replace(cfg, parallel=parallel_cfg)
-    return cfg, layout_mod.resolve(cfg, env)
+    """The training layout at this launch's world size, and the config it was resolved from
+    (the parallel section as the strategy uses it at this world size)."""
+    cfg = dataclasses.replace(cfg, parallel=parallel.for_world_size(cfg.parallel, env.world_size))
+    layout = layout_mod.resolve(
+        env,
+        parallel.mesh(cfg.parallel, env),
+        backend=cfg.dist.backend,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpoint_format=cfg.ckpt.format,
+    )
+    return cfg, layout
 
 
 # ---------------------------------------------------------------------------------------------

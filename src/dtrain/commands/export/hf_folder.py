@@ -212,8 +212,8 @@ def _file_by_file(folder: str, meta: dict, where: str) -> FileByFile | None:
     None for a LoRA run whose merge hf_merge cannot read tensor by tensor."""
     cfg = config.from_dict(meta["config"])
     spec = spec_of(cfg.model)
-    with torch.device("meta"):  # a LoRA run's: its base, which the export holds merged
-        model: Any = models.build(spec.base, meta["model_info"], cfg.run.seed)
+    # Shapes only (a LoRA run's: its base, which the export holds merged).
+    model: Any = models.build(spec.base, meta["model_info"], cfg.run.seed, models.Weights.NONE)
     names = saved_names(model)
     if not spec.adapters:
         shapes = model.state_dict()

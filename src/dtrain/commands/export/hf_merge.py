@@ -74,8 +74,7 @@ def merged(
     cfg = config.from_dict(meta["config"])
     if not cfg.model.name.startswith("hf:") or cfg.model.init_from:
         return None
-    with torch.device("meta"):
-        adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed)
+    adapted: Any = models.build(cfg.model, meta["model_info"], cfg.run.seed, models.Weights.NONE)
     spec = spec_of(cfg.model)
     held = trained_shapes(adapted, spec)
     trained = set(spec.base_names(list(held)).values())

@@ -1,2 +1,3 @@
-"""`dtrain plan`: what a config will do, worked out from shapes before launching it: the layout,
-the steps, the memory and traffic per rank, and with `--memory-limit` whether it fits."""
+"""`dtrain plan`: what a config will do (layout, data, steps, checkpoints, memory per rank and
+communication, each parallel strategy beside the chosen one), worked out before launching it;
+with `--memory-limit`, whether the job fits on a node and the largest value of a key that does."""

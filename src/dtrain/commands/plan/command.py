@@ -40,6 +40,7 @@ class Memory:
     optimizer: int
     activations: int | None  # None when the forward could not be traced
     buffers: int  # DDP gradient buckets, or FSDP's gathered parameters and unsharded gradients
+    sharded: bool  # the state split over the ranks (FSDP), not replicated (DDP)
 
     @property
     def state(self) -> int:
@@ -58,6 +59,7 @@ class Plan:
     nnodes: int
     device: str
     backend: str | None
+    mode: str  # the row of `memory` this run is (a single process counts as DDP)
     device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
     train_size: int
     val_size: int
@@ -95,8 +97,9 @@ class Plan:
 
 def _activations(
     model: nn.Module, cfg: Config, info: dict[str, Any], low: str
-) -> tuple[dict[tuple[str, str], int | None], str]:
-    """Activation bytes per (mode, precision), and a note when the forward cannot be traced."""
+) -> tuple[dict[tuple[bool, str], int | None], str]:
+    """Activation bytes per (sharded, precision): autocast keeps its casts, FSDP's policy casts
+    the parameters instead; and a note when the forward cannot be traced."""
     task = tasks.build(cfg.task, info)
     make = getattr(task, "example_input", None)
     try:
@@ -116,26 +119,26 @@ def _activations(
         first = first_line(e)
         note = f"activations not estimated: the forward could not be traced ({first[:120]})"
     return {
-        ("ddp", "fp32"): traced["fp32"],
-        ("fsdp", "fp32"): traced["fp32"],
-        ("ddp", low): traced["autocast"],
-        ("fsdp", low): traced["cast"],
+        (False, "fp32"): traced["fp32"],
+        (True, "fp32"): traced["fp32"],
+        (False, low): traced["autocast"],
+        (True, low): traced["cast"],
     }, note
 
 
 def _too_big(plan: Plan) -> str | None:
     cfg = plan.cfg
-    chosen = plan.memory_for(_mode(cfg))
+    chosen = plan.memory_for(plan.mode)
     if chosen.total <= plan.device_bytes:
         return None
-    other = plan.memory_for("ddp" if chosen.mode == "fsdp" else "fsdp")
+    other = next(m for m in plan.memory if m.precision == chosen.precision and m is not chosen)
     hint = (
         f"; {other.mode} would need {size_text(other.total)}" if other.total < chosen.total else ""
     )
     options = [
         o
         for o, applies in (
-            ("parallel.mode=fsdp", chosen.mode != "fsdp" and plan.world_size > 1),
+            ("parallel.mode=fsdp", not chosen.sharded and plan.world_size > 1),
             ("train.precision=bf16", cfg.train.precision == "fp32"),
             ("model.activation_checkpointing=true", not cfg.model.activation_checkpointing),
             ("a smaller data.batch_size", True),
@@ -159,7 +162,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
     layout, shards, shapes, model = facts.layout, facts.shards, facts.shapes, facts.model
     world = layout.world_size
     steps = epoch_steps(layout, cfg.train, cfg.data, len(shapes.train))
-    ddp_state, fsdp_state = state_bytes(model, cfg, 1), state_bytes(model, cfg, shards)
+    states = {row.row: state_bytes(model, cfg, row.shards) for row in facts.counted}
     low = "fp16" if cfg.train.precision == "fp16" else "bf16"
     activations, note = _activations(model, cfg, shapes.info, low)
     memory = []
@@ -168,19 +171,18 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         held = footprint.parallel_buffers(
             cfg, world, shards, facts.trainable, facts.root_bytes, facts.largest_block, itemsize
         )
-        for mode, state, buffers in (
-            ("ddp", ddp_state, held["ddp"]),
-            ("fsdp", fsdp_state, held["fsdp"]),
-        ):
+        for row in facts.counted:
+            state = states[row.row]
             memory.append(
                 Memory(
-                    mode,
+                    row.row,
                     precision,
                     state["params"],
                     state["grads"],
                     state["optimizer"],
-                    activations[(mode, precision)],
-                    buffers,
+                    activations[(row.sharded, precision)],
+                    held[row.row],
+                    row.sharded,
                 )
             )
 
@@ -192,6 +194,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         nnodes=nnodes,
         device=facts.device,
         backend=layout.backend,
+        mode=facts.chosen.row,
         device_bytes=facts.device_bytes,
         train_size=len(shapes.train),
         val_size=len(shapes.val),
@@ -212,7 +215,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         comm_bytes=footprint.communication(
             cfg, world, shards, facts.trainable, facts.root_bytes, facts.block_bytes
         ),
-        state_bytes_unsharded=ddp_state["unsharded"],
+        state_bytes_unsharded=states[facts.chosen.row]["unsharded"],
         activation_note=note,
         warnings=facts.warnings,
     )
@@ -245,10 +248,6 @@ def _largest_tensor(model: nn.Module) -> tuple[str, int]:
     return name, tensor.numel() * tensor.element_size()
 
 
-def _mode(cfg: Config) -> str:
-    return "fsdp" if cfg.parallel.mode == "fsdp" else "ddp"
-
-
 def size_text(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
@@ -260,7 +259,6 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     """The plan as text: layout, data, steps, checkpoints, memory per rank, communication."""
     p = estimate(cfg, nproc, nnodes)
     c = cfg
-    chosen_mode = _mode(cfg)
     max_steps = f" (train.max_steps {c.train.max_steps})" if c.train.max_steps else ""
     overfit = (
         f" (train.overfit_batches={c.train.overfit_batches}: the same "
@@ -294,7 +292,7 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
         f"{'buffers':>11}{'total':>11}",
     ]
     for m in p.memory:
-        mark = "  <- this run" if (m.mode, m.precision) == (chosen_mode, c.train.precision) else ""
+        mark = "  <- this run" if (m.mode, m.precision) == (p.mode, c.train.precision) else ""
         acts = size_text(m.activations) if m.activations is not None else "?"
         lines.append(
             f"  {m.mode + ' ' + m.precision:14}{size_text(m.params):>11}{size_text(m.grads):>11}"

@@ -14,6 +14,8 @@ from torch import nn
 from dtrain import data, models, parallel
 from dtrain.config import Config
 from dtrain.core.errors import UserError
+from dtrain.models import Weights
+from dtrain.parallel import Counted
 from dtrain.process import layout as layout_mod
 from dtrain.process.env import Env, device_index
 from dtrain.process.layout import Layout
@@ -24,7 +26,8 @@ class ModelFacts:
     """A config launched as `nproc` x `nnodes` ranks, before anything runs. Sizes in bytes."""
 
     layout: Layout  # rank 0's
-    shards: int  # FSDP's shards in this launch, whatever the config's mode
+    counted: list[Counted]  # the strategies the plan compares: replicated, sharded
+    chosen: Counted  # the one the config asks for
     device: str  # rank 0's device, described
     device_bytes: int  # the memory one rank may use
     warnings: list[str]  # a launch the run would refuse
@@ -36,19 +39,33 @@ class ModelFacts:
     largest_block: int  # the largest block's parameters
     root_bytes: int  # the parameters outside the blocks
 
+    @property
+    def shards(self) -> int:
+        """The ranks the sharded strategy splits the state over in this launch, whatever the
+        config asks for."""
+        return next(row.shards for row in self.counted if row.sharded)
+
 
 def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
-    layout = launch(cfg, nproc, nnodes)
+    env = launch(nproc, nnodes)
+    layout = layout_mod.resolve(
+        env,
+        parallel.mesh(cfg.parallel, env),
+        backend=cfg.dist.backend,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpoint_format=cfg.ckpt.format,
+    )
+    counted, chosen = parallel.counted(cfg.parallel, env)
     device, device_bytes, warnings = device_memory(layout)
     shapes = data.sizes_of(cfg.data, cfg.run.seed, cfg.model.args)
-    with torch.device("meta"):
-        model = models.build(cfg.model, shapes.info, cfg.run.seed)
-    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
-    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+    model = models.build(cfg.model, shapes.info, cfg.run.seed, Weights.NONE)
+    blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
     block_bytes = param_bytes(blocks)
     return ModelFacts(
         layout=layout,
-        shards=launch(cfg, nproc, nnodes, "fsdp").shards,
+        counted=counted,
+        chosen=chosen,
         device=device,
         device_bytes=device_bytes,
         warnings=warnings,
@@ -85,15 +102,12 @@ def device_memory(layout: Layout) -> tuple[str, int, list[str]]:
     return f"cuda ({props.name})", props.total_memory, warnings
 
 
-def launch(cfg: Config, nproc: int, nnodes: int, mode: str | None = None) -> Layout:
-    """The layout of rank 0 of a launch of `nnodes` x `nproc` ranks (in `mode` if given)."""
+def launch(nproc: int, nnodes: int) -> Env:
+    """Rank 0 of a launch of `nnodes` x `nproc` ranks."""
     world = nproc * nnodes
-    env = Env(
+    return Env(
         launcher="torchrun" if world > 1 else "single",
         world_size=world,
         local_world_size=nproc,
         num_nodes=nnodes,
     )
-    if mode is not None:
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode=mode))
-    return layout_mod.resolve(cfg, env)

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from dtrain import config, tasks
+from dtrain import config, parallel, tasks
 from dtrain.commands.plan import command as plan
 from dtrain.commands.plan import facts as plan_facts
 from dtrain.commands.plan import footprint
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.models.spec import spec_of
+from dtrain.parallel import Counted
 
 MIB = 2**20
 # Anonymous memory of one rank that no setting changes: the interpreter, torch and its CPU
@@ -49,7 +50,8 @@ NODE_BYTES = 150 * MIB
 BACKWARD_BLOCKS = 2.0
 # Extra headroom per rank in CUDA runs' host memory: the CUDA context and its libraries.
 CUDA_CONTEXT_BYTES = 1024 * MIB
-MODES = ("ddp", "fsdp", "fsdp+ac")
+# A sharded strategy's row once more, with activation checkpointing.
+CHECKPOINTED = "+ac"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -90,12 +92,6 @@ class Fit:
         )
 
 
-def _with_mode(cfg: Config, mode: str) -> Config:
-    parallel_cfg = dataclasses.replace(cfg.parallel, mode="ddp" if mode == "ddp" else "fsdp")
-    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=mode == "fsdp+ac")
-    return dataclasses.replace(cfg, parallel=parallel_cfg, model=model_cfg)
-
-
 def _activations(model: torch.nn.Module, cfg: Config, info: dict[str, Any]) -> dict[str, int]:
     """Saved-for-backward bytes without ("full") and with ("checkpointed") checkpointing, and
     the largest block's ("block"), in the run's precision (FSDP's cast; what autocast keeps is
@@ -132,15 +128,14 @@ def evaluate(cfg: Config, nproc: int, nnodes: int, limit: int) -> dict[str, Fit]
     )
     acts = _activations(model, cfg, facts.shapes.info)
     fits = {}
-    for mode in MODES:
-        base = "ddp" if mode == "ddp" else "fsdp"
-        state = footprint.state_bytes(model, cfg, 1 if base == "ddp" else shards)
-        act = acts["checkpointed" if mode == "fsdp+ac" and blocks else "full"]
+    for mode, row, checkpointed in _rows(facts.counted):
+        state = footprint.state_bytes(model, cfg, row.shards)
+        act = acts["checkpointed" if checkpointed and blocks else "full"]
         # When the peak comes. DDP's gradients are views into its all-reduce buckets, which live
         # from the first step on: everything adds up at the end of the forward. FSDP frees its
         # sharded gradients at every zero_grad: the backward turns activations into gradients,
         # and the peak is the larger of the two, beside the gathered block and its gradient.
-        grads_at_peak = state["grads"] if base == "ddp" or shards == 1 else 0
+        grads_at_peak = state["grads"] if row.shards == 1 else 0
         growing = max(act, state["grads"] - grads_at_peak)
         # A block's backward makes the gradients of its activations and autograd's temporaries
         # next to what it saved: BACKWARD_BLOCKS times the largest block's activations. Not
@@ -151,7 +146,7 @@ def evaluate(cfg: Config, nproc: int, nnodes: int, limit: int) -> dict[str, Fit]
         # at all is inside NODE_BYTES: the frontiers it was fitted to include both.
         working = int(BACKWARD_BLOCKS * acts["block"])
         on_device = (
-            state["params"] + grads_at_peak + state["optimizer"] + growing + held[base] + working
+            state["params"] + grads_at_peak + state["optimizer"] + growing + held[row.row] + working
         )
         parts = {
             "fixed": PROCESS_BYTES,
@@ -160,7 +155,7 @@ def evaluate(cfg: Config, nproc: int, nnodes: int, limit: int) -> dict[str, Fit]
             "optimizer": state["optimizer"],
             "activations": act,
             "backward": working,
-            "buffers": held[base],
+            "buffers": held[row.row],
         }
         if not device.startswith("cuda"):  # the CPU, or an Apple GPU's memory shared with it
             peak = PROCESS_BYTES + on_device
@@ -277,10 +272,19 @@ def fit(
 # What `dtrain plan --memory-limit` prints
 
 
+def _rows(counted: list[Counted]) -> list[tuple[str, Counted, bool]]:
+    """The modes the fit compares, each with its strategy and whether activations are
+    checkpointed: every strategy `dtrain plan` counts, and each sharded one again with
+    activation checkpointing."""
+    plain = [(row.row, row, False) for row in counted]
+    return plain + [(row.row + CHECKPOINTED, row, True) for row in counted if row.sharded]
+
+
 def _chosen(cfg: Config) -> str:
-    if cfg.parallel.mode != "fsdp":
-        return "ddp"
-    return "fsdp+ac" if cfg.model.activation_checkpointing else "fsdp"
+    """The mode of the fit that this run is."""
+    asked = parallel.configured(cfg.parallel)
+    checkpointed = asked.sharded and cfg.model.activation_checkpointing
+    return asked.plan_row + (CHECKPOINTED if checkpointed else "")
 
 
 def _micro_batch(cfg: Config, nproc: int, nnodes: int, limit: int) -> tuple[int, int] | None:

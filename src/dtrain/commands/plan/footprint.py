@@ -206,9 +206,8 @@ def traced_activations(
     forwards gives all three. Two forwards (2 and 4 samples) separate what grows with the
     batch from what does not (autocast's copies of the weights); 2, not 1, because BatchNorm
     refuses one sample."""
-    wrap = cfg.parallel.fsdp.wrap if isinstance(cfg.parallel.fsdp.wrap, list) else None
     model = copy.deepcopy(meta_model).to(weights)
-    blocks = [b for b in parallel.find_blocks(model, wrap) if b is not model]
+    blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
     with compat.fake_tensor_mode():  # shapes and dtypes only, no memory
         model.to_empty(device="cpu").train()
         return _retained(model, blocks, cfg, example, weights, kinds)
