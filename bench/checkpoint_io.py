@@ -32,8 +32,6 @@ def _setup(work: Path, asynchronous: bool):
     import torch.nn.functional as F
     from dtrain import checkpoint, config, data, models
     from dtrain.loop import optim
-    from dtrain.process.env import Env
-    from dtrain.process.layout import resolve
     from dtrain.loop.state import TrainState
 
     cfg = config.load(None, [*MODEL, f"run.out_dir={work}", f"run.name={'async' if asynchronous else 'sync'}",
@@ -48,11 +46,7 @@ def _setup(work: Path, asynchronous: bool):
     optimizer.step()  # the optimizer state exists only after a step
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     state = TrainState()
-    checkpointer = checkpoint.Checkpointer(
-        ckpt=cfg.ckpt, seed=cfg.run.seed, config=config.to_dict(cfg),
-        layout=resolve(cfg, Env(launcher="single"), torch.device("cpu")),
-        store=checkpoint.Store(run_dir), model=model, optimizer=optimizer, state=state, parts={},
-        model_info=models.model_info(cfg.model, info))
+    checkpointer = common.checkpointer(cfg, model, optimizer, info, checkpoint.Store(run_dir), state)
     return cfg, model, optimizer, checkpointer, state
 
 
@@ -87,7 +81,7 @@ def run(work: Path, rounds: int = 7) -> list[Figure]:
 
     def dtrain_save() -> None:
         state.step += 1
-        ours.save()
+        ours.save(state.step, 0, {})
 
     dtrain_save(), plain_save(True), ours.resume(), plain_load()  # warm-up: first-touch costs
     times: dict[str, list[float]] = {k: [] for k in (
@@ -99,7 +93,7 @@ def run(work: Path, rounds: int = 7) -> list[Figure]:
         times["dtrain load"].append(_timed(ours.resume))
         times["torch.load"].append(_timed(plain_load))
         async_state.step += 1
-        times["async blocked"].append(_timed(lambda: background.save()))
+        times["async blocked"].append(_timed(lambda: background.save(async_state.step, 0, {})))
         background.wait()  # the write itself, not counted: training would go on meanwhile
     t = {k: common.median(v) for k, v in times.items()}
     mb = state_bytes / 1e6

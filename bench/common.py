@@ -184,3 +184,20 @@ def make_llama(model_dir: str | Path, data: str | Path, llama: dict, sizes: dict
     (data / "meta.json").write_text(json.dumps(
         {"dtype": "uint16", "vocab_size": llama["vocab_size"], "eot_id": 0, "tokens": sizes}))
     return count
+
+
+def checkpointer(cfg, model, optimizer, info: dict, store, state):
+    """dtrain's Checkpointer as a run makes it, for one process on the CPU: the model, its
+    optimizer and the loop's position `state` (a TrainState), nothing else."""
+    import torch
+    from dtrain import config, models
+    from dtrain.checkpoint import POSITION, Checkpointer, Contents
+    from dtrain.models.spec import spec_of
+    from dtrain.process.env import Env
+    from dtrain.run.pieces import layout_of
+
+    contents = Contents(model=model, optimizer=optimizer, spec=spec_of(cfg.model),
+                        parts={POSITION: state}, sharded={}, config=config.to_dict(cfg),
+                        model_info=models.model_info(cfg.model, info), seed=cfg.run.seed)
+    layout = layout_of(cfg, Env(launcher="single"), torch.device("cpu"))
+    return Checkpointer(ckpt=cfg.ckpt, layout=layout, store=store, contents=contents)

@@ -62,15 +62,13 @@ def rank_side(side: str, folder: str) -> None:
         from dtrain import parallel
         from dtrain.parallel.precision import Precision
         from dtrain.process.env import detect
-        from dtrain.process.layout import resolve
+        from dtrain.run.pieces import layout_of
 
         cfg = config.load(None, [f"model.name=hf:{folder}", "model.args={}",
                                  "parallel.mode=fsdp", "task.name=language_model",
                                  "ckpt.monitor=val_loss", "ckpt.monitor_mode=min"])
         env = detect()
-        layout = resolve(env, parallel.mesh(cfg.parallel, env), backend=cfg.dist.backend,
-                         batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
-                         checkpoint_format=cfg.ckpt.format, device=torch.device("cpu"))
+        layout = layout_of(cfg, env, torch.device("cpu"))
         model, _, notes = parallel.strategy(cfg.parallel, layout).build(
             cfg.model, {}, cfg.run.seed, Precision("fp32", layout.device, True))
         assert any("shard by shard" in n for n in notes), notes

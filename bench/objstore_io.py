@@ -36,8 +36,6 @@ def _checkpointer(work: Path, url: str, asynchronous: bool):
     from dtrain.files.remote_store import RemoteStore
     from dtrain.loop import optim
     from dtrain.loop.state import TrainState
-    from dtrain.process.env import Env
-    from dtrain.process.layout import resolve
 
     name = "async" if asynchronous else "sync"
     cfg = config.load(None, [*MODEL, f"run.out_dir={url}", f"run.name={name}",
@@ -50,12 +48,8 @@ def _checkpointer(work: Path, url: str, asynchronous: bool):
     F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 3])).backward()
     optimizer.step()
     state = TrainState()
-    store = RemoteStore(cfg.run_dir, ObjectStore(str(cfg.run_url)), {})
-    ours = checkpoint.Checkpointer(
-        ckpt=cfg.ckpt, seed=cfg.run.seed, config=config.to_dict(cfg),
-        layout=resolve(cfg, Env(launcher="single"), torch.device("cpu")), store=store,
-        model=model, optimizer=optimizer, state=state, parts={},
-        model_info=models.model_info(cfg.model, info))
+    store = RemoteStore(cfg.run_dir, ObjectStore(str(cfg.run_url)))
+    ours = common.checkpointer(cfg, model, optimizer, info, store, state)
     return model, optimizer, ours, state
 
 
@@ -70,7 +64,7 @@ def _checkpoints(work: Path, bucket: str, fs, rounds: int) -> list[Figure]:
 
     def dtrain_save() -> None:
         state.step += 1
-        ours.save()
+        ours.save(state.step, 0, {})
 
     def plain_load() -> None:
         fs.get_file(f"{bucket}/plain/plain.pt", str(got))
@@ -89,7 +83,7 @@ def _checkpoints(work: Path, bucket: str, fs, rounds: int) -> list[Figure]:
         times["load"].append(_timed(ours.resume))
         times["get"].append(_timed(plain_load))
         async_state.step += 1
-        times["blocked"].append(_timed(background.save))
+        times["blocked"].append(_timed(lambda: background.save(async_state.step, 0, {})))
         background.wait()  # the upload itself: training would go on meanwhile
     t = {k: common.median(v) for k, v in times.items()}
     mb = nbytes / 1e6

@@ -13,6 +13,7 @@ from dtrain import config, models, parallel
 from dtrain.parallel import sharded_init
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, env, layout
+from dtrain.run.pieces import layout_of
 
 # Every tensor above 4 KiB is "large" here, so that even these small models are built row by row.
 sharded_init.FULL_BYTES = 4096
@@ -30,9 +31,7 @@ CASES = [
 
 
 def _layout(cfg: config.Config, launch: env.Env) -> layout.Layout:
-    return layout.resolve(launch, parallel.mesh(cfg.parallel, launch), backend=cfg.dist.backend,
-                          batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
-                          checkpoint_format=cfg.ckpt.format)
+    return layout_of(cfg, launch)
 
 
 def main() -> None:

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, launch
+
 from dtrain import config, parallel
 from dtrain.commands.plan import command as plan
-from dtrain.process.env import Env
 from dtrain.core.errors import UserError
 from dtrain.data.sampler import epoch_steps
 from dtrain.process import layout as layout_mod
+from dtrain.process.env import Env
+from dtrain.run.pieces import layout_of
 
 
 def _env(world: int, rank: int = 0, nodes: int = 1) -> Env:
@@ -29,9 +30,7 @@ def _cfg(*overrides: str) -> config.Config:
 
 def resolve(cfg: config.Config, env: Env, device: torch.device | None = None) -> layout_mod.Layout:
     """The layout of `cfg` launched as `env`, as the run resolves it."""
-    return layout_mod.resolve(env, parallel.mesh(cfg.parallel, env), backend=cfg.dist.backend,
-                              batch_size=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
-                              checkpoint_format=cfg.ckpt.format, device=device)
+    return layout_of(cfg, env, device)
 
 
 def test_layout_of_each_mode() -> None:

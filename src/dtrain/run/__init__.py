@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from dtrain import checkpoint, data, parallel
+from dtrain import checkpoint, data
 from dtrain.config import DEFAULT_RUN_NAME, Config, dump, flatten, to_dict
 from dtrain.core import signals
 from dtrain.core.errors import Interrupted, PeerFailure, UserError, first_line
@@ -43,7 +43,6 @@ from dtrain.observe import (
 from dtrain.observe.trackers import check_installed as check_trackers
 from dtrain.process import dist, slurm
 from dtrain.process import env as env_mod
-from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout
 from dtrain.run import records
 from dtrain.run.components import (
@@ -52,7 +51,7 @@ from dtrain.run.components import (
     build_learner,
     build_trainer,
 )
-from dtrain.run.pieces import Pieces, build_pieces
+from dtrain.run.pieces import Pieces, build_pieces, layout_of
 from dtrain.run.remote import RemoteRun
 from dtrain.run.resume import already_past, resume_or_start
 
@@ -131,14 +130,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
-    layout = layout_mod.resolve(
-        env,
-        parallel.mesh(cfg.parallel, env),
-        backend=cfg.dist.backend,
-        batch_size=cfg.data.batch_size,
-        grad_accum=cfg.train.grad_accum,
-        checkpoint_format=cfg.ckpt.format,
-    )
+    layout = layout_of(cfg, env)
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
     dist.init(layout, cfg.dist)
     clock.mark("process group")

@@ -21,6 +21,8 @@ from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, rng
+from dtrain.process import layout as layout_mod
+from dtrain.process.env import Env
 from dtrain.process.layout import Layout, Steps
 from dtrain.run.weights import StartingWeights
 
@@ -51,6 +53,20 @@ class EvalPieces:
     model: nn.Module  # wrapped for the parallel mode
     precision: Precision
     notes: list[str]
+
+
+def layout_of(cfg: Config, env: Env, device: torch.device | None = None) -> Layout:
+    """Where this process stands in the job (world, device, groups, batch), as the parallel
+    strategy lays out the ranks; the same for a run, `dtrain eval` and `dtrain plan`."""
+    return layout_mod.resolve(
+        env,
+        parallel.mesh(cfg.parallel, env),
+        backend=cfg.dist.backend,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpoint_format=cfg.ckpt.format,
+        device=device,
+    )
 
 
 def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:

@@ -37,9 +37,8 @@ from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.process import dist
 from dtrain.process import env as env_mod
-from dtrain.process import layout as layout_mod
 from dtrain.process.layout import Layout
-from dtrain.run.pieces import EvalPieces, build_eval_pieces
+from dtrain.run.pieces import EvalPieces, build_eval_pieces, layout_of
 
 EVALS = names.EVALS
 
@@ -100,14 +99,7 @@ def eval_layout(cfg: Config, env: env_mod.Env) -> tuple[Config, Layout]:
     """The training layout at this launch's world size, and the config it was resolved from
     (the parallel section as the strategy uses it at this world size)."""
     cfg = dataclasses.replace(cfg, parallel=parallel.for_world_size(cfg.parallel, env.world_size))
-    layout = layout_mod.resolve(
-        env,
-        parallel.mesh(cfg.parallel, env),
-        backend=cfg.dist.backend,
-        batch_size=cfg.data.batch_size,
-        grad_accum=cfg.train.grad_accum,
-        checkpoint_format=cfg.ckpt.format,
-    )
+    layout = layout_of(cfg, env)
     return cfg, layout
 
 

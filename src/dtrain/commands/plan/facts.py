@@ -16,9 +16,9 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.models import Weights
 from dtrain.parallel import Counted
-from dtrain.process import layout as layout_mod
 from dtrain.process.env import Env, device_index
 from dtrain.process.layout import Layout
+from dtrain.run.pieces import layout_of
 
 
 @dataclass
@@ -48,14 +48,7 @@ class ModelFacts:
 
 def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     env = launch(nproc, nnodes)
-    layout = layout_mod.resolve(
-        env,
-        parallel.mesh(cfg.parallel, env),
-        backend=cfg.dist.backend,
-        batch_size=cfg.data.batch_size,
-        grad_accum=cfg.train.grad_accum,
-        checkpoint_format=cfg.ckpt.format,
-    )
+    layout = layout_of(cfg, env)
     counted, chosen = parallel.counted(cfg.parallel, env)
     device, device_bytes, warnings = device_memory(layout)
     shapes = data.sizes_of(cfg.data, cfg.run.seed, cfg.model.args)
