@@ -99,6 +99,10 @@ def test_plan_command_prints_the_plan_and_warns_when_memory_is_short() -> None:
     assert re.search(r"ddp fp32 .*<- this run", out)
     assert "all-reduce of fp32 gradients" in out and "resolved config:" in out
     assert "WARNING" not in out
+    assert "| backend gloo | mode ddp |" in out
+    # One process runs no DDP, whatever the config says: the plan says so, as the banner does.
+    single = dtrain("plan", "--config", "configs/default.yaml", "--nproc", "1")
+    assert "| backend none (single process) | mode none (one process) |" in single.stdout
     # A 10-billion-parameter model is built on the meta device: no memory, but a clear warning.
     huge = dtrain("plan", "model.name=transformer", "model.args={dim: 20480, depth: 2, heads: 16}",
                   "--nproc", "2")

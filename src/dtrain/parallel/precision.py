@@ -50,7 +50,7 @@ class Precision:
 
     @classmethod
     def for_run(cls, name: str, loss_scale_init: float, layout: Layout) -> Precision:
-        return cls(name, layout.device, layout.is_fsdp, loss_scale_init)
+        return cls(name, layout.device, layout.sharded, loss_scale_init)
 
     @property
     def scaled(self) -> bool:

@@ -74,10 +74,10 @@ class Layout:
     def distributed(self) -> bool:
         return self.env.distributed
 
-    @property
-    def is_fsdp(self) -> bool:
-        """Whether the model is sharded (FSDP2's `fully_shard`, on a 1-D or 2-D mesh)."""
-        return self.sharded
+    def shown_mode(self, asked: str) -> str:
+        """The mode as the banner and `dtrain plan` say it, beside `asked` (parallel.mode): a
+        single process launched with a config for DDP or FSDP runs as `none (one process)`."""
+        return self.mode if self.mode == asked else f"{self.mode} (one process)"
 
     @property
     def effective_batch(self) -> int:

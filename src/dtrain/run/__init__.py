@@ -296,7 +296,7 @@ def _banner(
     if resumed and resumed.world_size != world:
         source += f" (world size {resumed.world_size} -> {world})"
     # The mode that runs: a single process wraps the model in nothing, whatever the config says.
-    mode = layout.mode if layout.mode == cfg.parallel.mode else f"{layout.mode} (one process)"
+    mode = layout.shown_mode(cfg.parallel.mode)
     log_fitted(
         f"dtrain | {layout.env.describe()} | device {layout.device} | backend "
         f"{layout.backend or 'none'} | mode {mode} | precision {cfg.train.precision}"

@@ -60,6 +60,7 @@ class Plan:
     device: str
     backend: str | None
     mode: str  # the row of `memory` this run is (a single process counts as DDP)
+    shown_mode: str  # what it runs as: parallel.mode, or `none (one process)`
     device_bytes: int  # memory one rank can use: the GPU's, or host RAM shared by the node's ranks
     train_size: int
     val_size: int
@@ -195,6 +196,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         device=facts.device,
         backend=layout.backend,
         mode=facts.chosen.row,
+        shown_mode=layout.shown_mode(cfg.parallel.mode),
         device_bytes=facts.device_bytes,
         train_size=len(shapes.train),
         val_size=len(shapes.val),
@@ -269,7 +271,7 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
     lines = [
         "dtrain plan (no process group started, no training data read)",
         f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
-        f"{p.device} | backend {p.backend or 'none (single process)'} | mode {c.parallel.mode} | "
+        f"{p.device} | backend {p.backend or 'none (single process)'} | mode {p.shown_mode} | "
         f"precision {c.train.precision}",
         f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples, "
         f"{p.sample}{overfit}",
