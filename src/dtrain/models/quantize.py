@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dtrain.core.errors import UserError, first_line
+from dtrain.process import compat
 
 # A batch as the model takes it: one input tensor, or its positional inputs.
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
@@ -212,7 +213,20 @@ def _static_int8(model: nn.Module, batches: Sequence[Batch]) -> nn.Module:
             prepared(*_inputs(batch))
     converted = convert_pt2e(prepared)
     move_exported_model_to_eval(converted)
+    _drop_unused_tensors(converted)
     return converted
+
+
+def _drop_unused_tensors(graph_module: torch.fx.GraphModule) -> None:
+    """Delete the parameters and buffers that no node of the graph reads: the float weights
+    that convert_pt2e replaced by int8 ones stay attached otherwise, and are saved with it."""
+    graph_module.graph.eliminate_dead_code()
+    read = {node.target for node in graph_module.graph.nodes if node.op == "get_attr"}
+    tensors = [*graph_module.named_parameters(), *graph_module.named_buffers()]
+    for name in {name for name, _ in tensors} - read:
+        owner, _, attribute = name.rpartition(".")
+        delattr(graph_module.get_submodule(owner), attribute)
+    graph_module.recompile()
 
 
 def _inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
@@ -226,8 +240,9 @@ def latency(model: nn.Module, batches: Sequence[Batch], compiled: bool) -> float
     if not batches:
         raise ValueError("latency needs at least one batch")
     times = []
-    run = torch.compile(model, options=COMPILE_SETTINGS) if compiled else model
-    with torch.no_grad():
+    run = torch.compile(model) if compiled else model
+    # torch.compile compiles at the first call, under the settings in force there.
+    with torch.no_grad(), compat.inductor_settings(COMPILE_SETTINGS if compiled else {}):
         for batch in batches:
             run(*_inputs(batch))
         for batch in batches:
