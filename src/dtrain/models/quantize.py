@@ -7,9 +7,10 @@ through torch.export and torchao's PT2E flow with its x86 inductor quantizer, ca
 batches the caller gives (int8-static). `quantize` works on a copy: the caller's model is left
 as it was.
 
-The speed of an int8 model comes from a compiled path: run eagerly, torchao's int8 tensors
-dequantize op by op and are slower than fp32; inductor fuses them into int8 kernels (oneDNN's on
-x86). `latency` measures either way and says which it did.
+Any speed of an int8 model comes from a compiled path: run eagerly, the int8 tensors are
+quantized and dequantized op by op and are slower than fp32; what inductor gains by fusing them
+into int8 kernels (oneDNN's on x86) depends on the scheme and the model. So `latency` measures a
+model the way the caller says it will be deployed: eagerly or compiled.
 """
 
 from __future__ import annotations
