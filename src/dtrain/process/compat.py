@@ -27,6 +27,7 @@ __all__ = [
     "dcp_reader",
     "dcp_writer",
     "default_store",
+    "inductor_settings",
     "is_in_place",
     "masked_step",
     "masked_step_supported",
@@ -287,3 +288,16 @@ def dcp_planner(load_bytes: Callable[[IO[bytes]], Any]) -> Any:
                 self.state_dict[fqn] = loaded
 
     return Planner()
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation
+
+
+def inductor_settings(settings: dict[str, Any]) -> Any:
+    """A context in which inductor's config has `settings`. torch.compile's `options` do not
+    reach every reader of them: `freezing` given there leaves the x86 int8 weight-packing ops
+    to run on fake tensors, which they cannot."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(settings)

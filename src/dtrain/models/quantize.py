@@ -1,0 +1,294 @@
+"""int8 quantization of a trained model for inference, and the fake quantization that
+quantization-aware training inserts, through torchao (extra `[quant]`).
+
+Post-training schemes (`SCHEMES`): torchao's `quantize_` configs for the Linear layers
+(int8-dynamic, int8-weight, int4-weight), and static int8 for convolutions and Linear layers
+through torch.export and torchao's PT2E flow with its x86 inductor quantizer, calibrated on
+batches the caller gives (int8-static). `quantize` works on a copy: the caller's model is left
+as it was.
+
+Any speed of an int8 model comes from a compiled path: run eagerly, the int8 tensors are
+quantized and dequantized op by op and are slower than fp32; what inductor gains by fusing them
+into int8 kernels (oneDNN's on x86) depends on the scheme and the model. So `latency` measures a
+model the way the caller says it will be deployed: eagerly or compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.core.errors import UserError, first_line
+from dtrain.process import compat
+
+# A batch as the model takes it: one input tensor, or its positional inputs.
+Batch = torch.Tensor | tuple[torch.Tensor, ...]
+
+# Fewer calibration batches than this and the activation ranges that static int8 fixes are one
+# batch's accident more than the data's.
+MIN_CALIBRATION_BATCHES = 4
+# inductor's settings for a quantized model on the CPU: `freezing` folds the weights into
+# constants, which is what lets its passes fuse quantize/dequantize pairs into oneDNN's int8
+# convolutions and matmuls; `force_fuse_int_mm_with_mul` fuses the int8 matmul with its scale.
+# The fp32 model is compiled with the same settings, so both sides of a comparison are alike.
+COMPILE_SETTINGS: dict[str, Any] = {"freezing": True, "force_fuse_int_mm_with_mul": True}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A quantization scheme: what it does, the layers it quantizes, whether it needs
+    calibration batches, whether it runs on the CPU."""
+
+    name: str
+    does: str
+    layers: tuple[type[nn.Module], ...]
+    calibrates: bool
+    cpu: bool
+
+    @property
+    def layer_names(self) -> str:
+        return " or ".join(f"nn.{layer.__name__}" for layer in self.layers)
+
+
+SCHEMES = {
+    scheme.name: scheme
+    for scheme in (
+        Scheme(
+            "int8-dynamic",
+            "int8 weights per output channel, activations quantized to int8 per token as they "
+            "come (torchao's Int8DynamicActivationInt8WeightConfig)",
+            (nn.Linear,),
+            calibrates=False,
+            cpu=True,
+        ),
+        Scheme(
+            "int8-weight",
+            "int8 weights per output channel, activations left in float "
+            "(torchao's Int8WeightOnlyConfig)",
+            (nn.Linear,),
+            calibrates=False,
+            cpu=True,
+        ),
+        Scheme(
+            "int8-static",
+            "int8 weights and activations with ranges fixed by calibration batches "
+            "(torch.export, torchao's PT2E flow with the x86 inductor quantizer)",
+            (nn.Conv2d, nn.Linear),
+            calibrates=True,
+            cpu=True,
+        ),
+        Scheme(
+            "int4-weight",
+            "int4 weights in groups of 128 along the input, activations in bfloat16 "
+            "(torchao's Int4WeightOnlyConfig, a CUDA kernel)",
+            (nn.Linear,),
+            calibrates=False,
+            cpu=False,
+        ),
+    )
+}
+INT4_GROUP_SIZE = 128
+# The schemes that quantization-aware training can fake-quantize and then convert to.
+QAT_SCHEMES = ("int8-dynamic",)
+
+
+def library(feature: str = "quantization") -> ModuleType:
+    """torchao, imported; one line naming the extra when it is not installed."""
+    from dtrain.core.imports import require
+
+    logging.getLogger("torch.utils._pytree").addFilter(_enum_registration_filter)
+    return require("torchao", "quant", feature)
+
+
+def _enum_registration_filter(record: logging.LogRecord) -> bool:
+    """False for torch's warning that an Enum is registered with its pytree the way torch now
+    deprecates, which torchao's modules do as they are imported (some only when first used):
+    nothing a user can act on."""
+    return "is an Enum subclass" not in record.getMessage()
+
+
+def scheme_of(name: str) -> Scheme:
+    """The scheme called `name`; one line naming the schemes when there is none."""
+    if name not in SCHEMES:
+        close = difflib.get_close_matches(name, SCHEMES, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(
+            f"quantize: unknown scheme '{name}'{hint}; the schemes are {', '.join(SCHEMES)}"
+        )
+    return SCHEMES[name]
+
+
+def quantize(model: nn.Module, scheme: str, example_batches: Sequence[Batch]) -> nn.Module:
+    """A quantized copy of `model` for inference (in eval mode) by the scheme called `scheme`.
+    `example_batches`: the static scheme's calibration batches (at least
+    MIN_CALIBRATION_BATCHES), and the example whose shape torch.export traces; the other
+    schemes need none. The caller's model is not changed."""
+    chosen = _check(model, scheme_of(scheme), example_batches)
+    ao = library(f"quantize {chosen.name}")
+    quantized = copy.deepcopy(model).eval()
+    if chosen.name == "int8-static":
+        return _static_int8(quantized, example_batches)
+    config: Any
+    if chosen.name == "int8-dynamic":
+        config = _int8_dynamic_config(ao)
+    elif chosen.name == "int8-weight":
+        config = ao.quantization.Int8WeightOnlyConfig(set_inductor_config=False)
+    else:
+        quantized = quantized.to(torch.bfloat16)  # the int4 kernel's activations
+        config = ao.quantization.Int4WeightOnlyConfig(
+            group_size=INT4_GROUP_SIZE,
+            int4_packing_format="tile_packed_to_4d",
+            set_inductor_config=False,
+        )
+    ao.quantization.quantize_(quantized, config)
+    return quantized
+
+
+def _check(model: nn.Module, scheme: Scheme, batches: Sequence[Batch]) -> Scheme:
+    """`scheme`, when it can quantize `model` with `batches`; one line saying why not."""
+    device = next(model.parameters(), torch.empty(0)).device
+    if not scheme.cpu and device.type != "cuda":
+        raise UserError(
+            f"quantize {scheme.name}: needs a GPU (its kernel runs on CUDA) and the model is on "
+            f"the {device.type}; on the CPU use int8-weight or int8-dynamic"
+        )
+    if not any(isinstance(module, scheme.layers) for module in model.modules()):
+        raise UserError(
+            f"quantize {scheme.name}: {type(model).__name__} has no {scheme.layer_names} "
+            f"layer, the layers {scheme.name} quantizes"
+        )
+    if scheme.calibrates and len(batches) < MIN_CALIBRATION_BATCHES:
+        raise UserError(
+            f"quantize {scheme.name}: calibration needs at least {MIN_CALIBRATION_BATCHES} "
+            f"batches, got {len(batches)}"
+        )
+    return scheme
+
+
+def _int8_dynamic_config(ao: ModuleType) -> Any:
+    """int8-dynamic's torchao config. Activations are asymmetric per token: torchao's fake
+    quantizer has no symmetric per-token mode, and a model trained with fake quantization must
+    be converted to the same numerics it was trained with."""
+    return ao.quantization.Int8DynamicActivationInt8WeightConfig(
+        act_mapping_type=ao.quantization.MappingType.ASYMMETRIC, set_inductor_config=False
+    )
+
+
+def _static_int8(model: nn.Module, batches: Sequence[Batch]) -> nn.Module:
+    """`model` captured by torch.export (its batch dimension left free), observed on `batches`
+    and converted to int8 by torchao's PT2E flow with the x86 inductor quantizer."""
+    library("quantize int8-static")
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+
+    example = _inputs(batches[0])
+    dynamic = tuple({0: torch.export.Dim.AUTO} for _ in example)
+    try:
+        captured = torch.export.export(model, example, dynamic_shapes=dynamic).module()
+    except Exception as e:  # torch.export's refusals have many types: its message says which
+        raise UserError(
+            f"quantize int8-static: torch.export cannot capture {type(model).__name__}: "
+            f"{first_line(e)}"
+        ) from None
+    quantizer = x86.X86InductorQuantizer()
+    quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
+    with warnings.catch_warnings():
+        # Layers the quantizer leaves in float (a max-pool after an unquantized norm) are
+        # named one warning each: what int8-static is, not something to act on.
+        warnings.filterwarnings("ignore", message="The input of .* is not quantized")
+        prepared = prepare_pt2e(captured, quantizer)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*_inputs(batch))
+    converted = convert_pt2e(prepared)
+    move_exported_model_to_eval(converted)
+    _drop_unused_tensors(converted)
+    return converted
+
+
+def _drop_unused_tensors(graph_module: torch.fx.GraphModule) -> None:
+    """Delete the parameters and buffers that no node of the graph reads: the float weights
+    that convert_pt2e replaced by int8 ones stay attached otherwise, and are saved with it."""
+    graph_module.graph.eliminate_dead_code()
+    read = {node.target for node in graph_module.graph.nodes if node.op == "get_attr"}
+    tensors = [*graph_module.named_parameters(), *graph_module.named_buffers()]
+    for name in {name for name, _ in tensors} - read:
+        owner, _, attribute = name.rpartition(".")
+        delattr(graph_module.get_submodule(owner), attribute)
+    graph_module.recompile()
+
+
+def _inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def latency(model: nn.Module, batches: Sequence[Batch], compiled: bool) -> float:
+    """Median milliseconds per batch of `model` on `batches`, the way it would be deployed:
+    compiled by torch.compile (inductor, COMPILE_SETTINGS) when `compiled`, else eagerly.
+    Every batch runs once first (a compiled model compiles each shape there, untimed)."""
+    if not batches:
+        raise ValueError("latency needs at least one batch")
+    times = []
+    run = torch.compile(model) if compiled else model
+    # torch.compile compiles at the first call, under the settings in force there.
+    with torch.no_grad(), compat.inductor_settings(COMPILE_SETTINGS if compiled else {}):
+        for batch in batches:
+            run(*_inputs(batch))
+        for batch in batches:
+            start = time.perf_counter()
+            run(*_inputs(batch))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def prepare_qat(model: nn.Module, scheme: str) -> nn.Module:
+    """`model`, changed in place for quantization-aware training: each Linear layer fake-
+    quantizes its weights and inputs the way `scheme` will quantize them, in float (torchao's
+    QATConfig). Its state dict keeps the same keys and shapes."""
+    _qat_scheme(model, scheme)
+    ao = library(f"quantization-aware training ({scheme})")
+    fake_int8 = ao.quantization.qat.IntxFakeQuantizeConfig
+    ao.quantization.quantize_(
+        model,
+        ao.quantization.qat.QATConfig(
+            activation_config=fake_int8(torch.int8, "per_token", is_symmetric=False),
+            weight_config=fake_int8(torch.int8, "per_channel", is_symmetric=True),
+            step="prepare",
+        ),
+    )
+    return model
+
+
+def convert_qat(model: nn.Module, scheme: str) -> nn.Module:
+    """A quantized copy (in eval mode) of a model that `prepare_qat` prepared for `scheme`: its
+    fake-quantized layers back to Linear layers, then quantized by `scheme`."""
+    _qat_scheme(model, scheme)
+    ao = library(f"quantization-aware training ({scheme})")
+    converted = copy.deepcopy(model).eval()
+    ao.quantization.quantize_(
+        converted, ao.quantization.qat.QATConfig(_int8_dynamic_config(ao), step="convert")
+    )
+    return converted
+
+
+def _qat_scheme(model: nn.Module, name: str) -> None:
+    """One line unless quantization-aware training can fake-quantize `model` for `name`."""
+    scheme = scheme_of(name)
+    if name not in QAT_SCHEMES:
+        raise UserError(
+            f"quantization-aware training: scheme {name} has no fake quantization; "
+            f"the schemes it has are {', '.join(QAT_SCHEMES)}"
+        )
+    _check(model, scheme, [])
