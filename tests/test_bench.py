@@ -29,6 +29,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(hf_memory.main)
     import hf_export_memory  # run on its own: the export figures of docs/after_training.md
     assert callable(hf_export_memory.measure)
+    import quantize_speed  # run on its own: int8 against fp32, eager and compiled
+    assert callable(quantize_speed.run)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:
