@@ -26,6 +26,7 @@ from dtrain.core.imports import refuse_folder_code, require
 from dtrain.files.digests import new_hash
 from dtrain.files.safetensors_header import BadSafetensors, Tensor, read_header
 from dtrain.models import Weights
+from dtrain.models.spec import spec_of
 
 PREFIXES = ("hf:", "hf-config:")
 CONFIG_FILE = "config.json"
@@ -69,7 +70,7 @@ def late_weights(cfg: ModelConfig, info: dict[str, Any]) -> WeightFiles | None:
     (peft's names and adapters go through from_pretrained) whose files hold every parameter of
     the model under its name, in its shape; None for any other model (a classifier whose head
     starts afresh, say: from_pretrained draws what the files do not hold)."""
-    if not cfg.name.startswith("hf:") or cfg.lora.r is not None:
+    if not cfg.name.startswith("hf:") or spec_of(cfg).adapters:
         return None
     folder = resolve(cfg.name)
     cls, config = _class_and_config(cfg, info, folder)
