@@ -90,6 +90,19 @@ def _eval(p: argparse.ArgumentParser) -> None:
         help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
     )
     p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the evaluation under the torch profiler: print its top operators, the share "
+        "of time spent waiting for data and in host-device copies, whether int8 quantization "
+        "can help, and write a trace for TensorBoard (each rank its own)",
+    )
+    p.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        help="with --profile: where the traces go (default: the run's profile/ folder; for a "
+        "run in an object store, ./profile/<run name> on this machine)",
+    )
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
     p.add_argument(
         "overrides",

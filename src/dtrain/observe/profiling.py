@@ -4,11 +4,16 @@ The schedule skips `wait` steps, warms up for `warmup` and records `active` step
 rank profiles itself (a rank left unprofiled would run faster and skew the collectives), and
 writes a trace for TensorBoard's profiler view to `<run dir>/profile/rank<N>.<time>.pt.trace.json`.
 Rank 0 also logs the ten operators that took the most time of their own.
+
+The pieces `dtrain eval --profile` shares: which activities to record on a device
+(`activities`), the trace writer (`trace_writer`) and the operators' own times (`self_times`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -32,16 +37,9 @@ class Profiler:
         self._prof: profile | None = None
         if not cfg.enabled:
             return
-        activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        else:
-            # Kineto logs a spurious "gpuGetDeviceCount failed" ERROR on machines without a GPU;
-            # with one, its messages (CUPTI permissions, say) matter and stay.
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-        self._write_trace = tensorboard_trace_handler(self.dir, worker_name=f"rank{rank}")
+        self._write_trace = trace_writer(self.dir, rank)
         self._prof = profile(
-            activities=activities,
+            activities=activities(device),
             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
             on_trace_ready=self._on_trace_ready,
         )
@@ -86,3 +84,56 @@ class Profiler:
             f"profiler: trace in {self.dir}; top {TOP_ROWS} operators by "
             f"{'CUDA' if on_gpu else 'CPU'} time of their own:\n{table}"
         )
+
+
+def activities(device: torch.device) -> list[ProfilerActivity]:
+    """What the profiler records on `device`: the CPU's operators, and a GPU's kernels."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    # Kineto logs a spurious "gpuGetDeviceCount failed" ERROR on machines without a GPU; with
+    # one, its messages (CUPTI permissions, say) matter and stay.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    return [ProfilerActivity.CPU]
+
+
+def trace_writer(folder: str, rank: int) -> Callable[[profile], None]:
+    """Writes a profile as `folder/rank<N>.<time>.pt.trace.json`, the name TensorBoard's profiler
+    view reads (each rank its own file)."""
+    return tensorboard_trace_handler(folder, worker_name=f"rank{rank}")
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One operator's calls in a profile and the time it took of its own (its children's
+    excluded), in microseconds: on a GPU the kernels' time, on the CPU the host's."""
+
+    name: str
+    self_us: float
+    calls: int
+
+
+def self_times(prof: profile, device: torch.device) -> list[OpTime]:
+    """The operators of `prof`, the most time of their own first. The operators alone (the host's
+    events): on a GPU a kernel's time is counted once, in the operator that launched it."""
+    on_gpu = device.type == "cuda"
+    ops = [
+        OpTime(e.key, float(e.self_device_time_total if on_gpu else e.self_cpu_time_total), e.count)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CPU
+    ]
+    return sorted(ops, key=lambda op: op.self_us, reverse=True)
+
+
+# The GPU's copies between the host and the device, as Kineto names them ("Memcpy HtoD (Pinned
+# -> Device)"); a copy within the device is not one.
+HOST_DEVICE_COPIES = ("Memcpy HtoD", "Memcpy DtoH")
+
+
+def copy_us(prof: profile) -> float:
+    """The time a GPU spent in copies between the host and the device, in microseconds; none on
+    the CPU."""
+    return sum(
+        float(e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.device_type != torch.autograd.DeviceType.CPU and e.key.startswith(HOST_DEVICE_COPIES)
+    )

@@ -1,7 +1,7 @@
 """`dtrain eval`: a checkpoint's metrics, computed by the evaluation that training runs.
 
     dtrain eval --run-dir DIR [--checkpoint latest|best|PATH] [--weights model|ema]
-                [--config X] [section.key=value ...]
+                [--profile [--profile-dir DIR]] [--config X] [section.key=value ...]
 
 The run's pieces are built from `DIR/config.yaml` (with the keys of `--config X` and the
 overrides on top) by the training code itself (`run.pieces`, the validation split alone); the
@@ -12,12 +12,13 @@ validation sample counted once over all ranks.
 
 Read-only: the run's lock is not taken (the training job may hold it), the checkpoint store is
 only listed (never `prepare`d, which moves folders), and nothing in DIR is written but
-`DIR/evals/<checkpoint>-<time>.json`, by rank 0.
+`DIR/evals/<checkpoint>-<time>.json`, by rank 0 (and with `--profile`, the traces: profiled.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -26,6 +27,7 @@ import tempfile
 from typing import Any
 
 from dtrain import config, data, parallel
+from dtrain.commands.evaluate import profiled
 from dtrain.commands.evaluate.chosen import Chosen, check_ema, choose, fetched, load_weights
 from dtrain.config import Config, registry
 from dtrain.core.errors import UserError
@@ -107,15 +109,17 @@ def eval_layout(cfg: Config, env: env_mod.Env) -> tuple[Config, Layout]:
 # The evaluation training runs
 
 
-def evaluate(cfg: Config, layout: Layout, pieces: EvalPieces) -> dict[str, float]:
-    """Training's own evaluation (`loop.evaluation`) of the loaded model. A checkpoint's
-    buffers are the same on every rank already (averaged before the save): they are not
-    averaged again, which could only add rounding at some world sizes."""
+def evaluate(
+    cfg: Config, layout: Layout, pieces: EvalPieces, profile: profiled.EvalProfile | None = None
+) -> dict[str, float]:
+    """Training's own evaluation (`loop.evaluation`) of the loaded model (with `profile`, its
+    loader timed). A checkpoint's buffers are the same on every rank already (averaged before
+    the save): they are not averaged again, which could only add rounding at some world sizes."""
     device, on_device = layout.device, pieces.datasets.on_device
     return evaluation.evaluate(
         pieces.model,
         pieces.task,
-        pieces.val_loader,
+        pieces.val_loader if profile is None else profile.loader(pieces.val_loader),
         pieces.val_sampler.valid_count,
         device,
         lambda batch: data.to_device(batch, device, on_device, cfg.model.channels_last),
@@ -203,6 +207,8 @@ def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str
 
 def main(args: argparse.Namespace) -> int:
     run_dir, overrides = run_dir_and_overrides(args.run, args.overrides)
+    if args.profile_dir is not None and not args.profile:
+        raise UserError("usage error: --profile-dir DIR goes with --profile")
     with tempfile.TemporaryDirectory(prefix="dtrain-eval-") as copies:
         return _evaluate_run(args, run_dir, overrides, copies)
 
@@ -216,19 +222,24 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         saved = os.path.join(records, names.CONFIG)
         remote_copies.fetch_file(run_dir, names.CONFIG, saved, {}, "eval")
     cfg = eval_config(records, args.config, overrides, args.trust_remote_code, run_dir)
-    options = dict(cfg.run.storage_options)
     env = env_mod.detect()
     cfg, layout = eval_layout(cfg, env)
     dist.init(layout, cfg.dist)
     setup_logging(dist.rank(), cfg.log.all_ranks)
     val_loader: Any = None
+    profile: profiled.EvalProfile | None = None
     try:
         # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
         listing = os.path.join(copies, "listing")
         chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg, listing))
-        chosen = fetched(chosen, os.path.join(copies, "checkpoint"), options)
+        chosen = fetched(chosen, os.path.join(copies, "checkpoint"), dict(cfg.run.storage_options))
         if args.weights == "ema":
             dist.on_main(lambda: check_ema(chosen))
+        if args.profile:
+            made = dist.on_main(
+                lambda: profiled.trace_folder(run_dir, chosen.name, args.profile_dir)
+            )
+            profile = profiled.EvalProfile(profiled.joined(made), dist.rank(), layout.device)
         pieces = build_eval_pieces(cfg, layout, StartupClock())
         val_loader = pieces.val_loader
         load_weights(pieces.model, chosen, cfg)
@@ -243,8 +254,10 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
             f"evaluating {chosen.shown} (step {chosen.step}, {chosen.fmt}, saved at world size "
             f"{chosen.saved_world_size}; {args.weights} weights) on {cfg.data.name} "
             f"({samples} validation samples) at world size {dist.world_size()}"
+            + (f"; profiled, traces in {profile.folder}" if profile else "")
         )
-        metrics = evaluate(cfg, layout, pieces)
+        with profile.running() if profile else contextlib.nullcontext():
+            metrics = evaluate(cfg, layout, pieces, profile)
         if args.weights == "ema":  # the names the run's own evaluations of the average have
             from dtrain.loop.ema import SUFFIX
 
@@ -261,20 +274,13 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
                 "overrides": overrides,
                 "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             }
-            where = remote_copies.join(run_dir, EVALS) if is_url(run_dir) else None
-            try:
-                path = write_result(records, chosen.name, result)
-                if where is not None:  # a run in a store: its result goes there, a new object
-                    url = remote_copies.join(where, os.path.basename(path))
-                    remote_copies.upload_file(path, url, options, "eval")
-                    path = url
-            except OSError as e:
-                # The metrics were computed: they are shown even when they cannot be kept.
-                print(_line(chosen, metrics, samples, "not saved"), flush=True)
-                raise outputs.output_error("eval", os.path.join(run_dir, EVALS), e) from None
-            except UserError:
-                print(_line(chosen, metrics, samples, "not saved"), flush=True)
-                raise
+            if profile is not None:
+                result["profile"] = summary = profile.summary()
+                print(
+                    "\n".join(profiled.lines(summary, dist.world_size(), profile.folder, run_dir))
+                )
+            options = dict(cfg.run.storage_options)
+            path = _keep_result(run_dir, records, chosen, result, options, metrics, samples)
             print(_line(chosen, metrics, samples, path), flush=True)
         dist.barrier()
         return 0
@@ -282,5 +288,35 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         dist.announce_abort(str(e))  # ranks left waiting in a collective stop with this line
         raise
     finally:
+        if profile is not None:
+            profile.close()
         data.close_loader(val_loader)
         dist.shutdown()
+
+
+def _keep_result(
+    run_dir: str,
+    records: str,
+    chosen: Chosen,
+    result: dict[str, Any],
+    options: dict[str, Any],
+    metrics: dict[str, float],
+    samples: int,
+) -> str:
+    """`result` in `records/evals/` and, for a run in an object store, uploaded beside its
+    checkpoints: where it went. A failure prints the metrics first (they were computed: they
+    are shown even when they cannot be kept), then raises its one line."""
+    where = remote_copies.join(run_dir, EVALS) if is_url(run_dir) else None
+    try:
+        path = write_result(records, chosen.name, result)
+        if where is not None:  # a run in a store: its result goes there, a new object
+            url = remote_copies.join(where, os.path.basename(path))
+            remote_copies.upload_file(path, url, options, "eval")
+            path = url
+    except OSError as e:
+        print(_line(chosen, metrics, samples, "not saved"), flush=True)
+        raise outputs.output_error("eval", os.path.join(run_dir, EVALS), e) from None
+    except UserError:
+        print(_line(chosen, metrics, samples, "not saved"), flush=True)
+        raise
+    return path
