@@ -1,2 +1,2 @@
-"""`dtrain eval`: the command (its config, layout, evaluation run and result file) and the
-checkpoint it evaluates (chosen.py: which one, its local copy, its weights)."""
+"""`dtrain eval`: the command (its evaluation run and result file); the run's config and the
+checkpoint it evaluates are read by `run.trained`, as `dtrain generate` reads them."""
