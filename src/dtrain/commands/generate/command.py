@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 
 from torch import nn
@@ -121,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
             if prompts is not None:
                 for prompt, ids in zip(prompts, encoded, strict=True):
                     _show(prompt, ids, replier.reply(ids), tokenizer, args.format)
+                log.info(replier.speed())
             else:
                 _converse(replier, tokenizer, args.format)
             dist.barrier()
@@ -165,6 +167,7 @@ class Replier:
     ) -> None:
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.device, self.precision = layout.device, precision
+        self.seconds, self.tokens = 0.0, 0
         self.built_in = not hasattr(unwrap(model), "generate")
         if self.built_in:
             self.window = inner_gpt(model).seq_len
@@ -189,6 +192,19 @@ class Replier:
         return ids
 
     def reply(self, ids: list[int]) -> Generated:
+        """The model's new tokens after `ids` (timed: `speed`)."""
+        started = time.perf_counter()
+        generated = self._generated(ids)
+        self.seconds += time.perf_counter() - started
+        self.tokens += len(generated.ids)
+        return generated
+
+    def speed(self) -> str:
+        """The decoding speed so far, for the log."""
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+        return f"{self.tokens} new tokens in {self.seconds:.3f} s of decoding: {rate:.1f} tokens/s"
+
+    def _generated(self, ids: list[int]) -> Generated:
         stop = self.tokenizer.stop_ids
         if self.built_in:
             return gpt_generate(
