@@ -83,7 +83,7 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
 def main(args: argparse.Namespace) -> int:
     run_dir, overrides = run_dir_and_overrides(args.run, args.overrides, COMMAND)
     sampling = sampling_of(args)
-    if args.interactive:
+    if args.interactive and os.environ.get("RANK", "0") == "0":  # (rank 0 reads the lines)
         text.check_terminal()
     prompts = [args.prompt] if args.prompt is not None else None
     if args.prompts is not None:
