@@ -31,6 +31,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(hf_export_memory.measure)
     import quantize_speed  # run on its own: int8 against fp32, eager and compiled
     assert callable(quantize_speed.run)
+    import generate_speed  # run on its own: dtrain generate against transformers' generate
+    assert callable(generate_speed.measure)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

@@ -1,5 +1,5 @@
-"""The `dtrain` command: train | plan | doctor | eval | export | convert | verify | runs | sweep |
-tokenize.
+"""The `dtrain` command: train | plan | doctor | eval | generate | export | convert | verify |
+runs | sweep | tokenize.
 
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
@@ -101,6 +101,12 @@ def _eval(args: argparse.Namespace) -> int:
     return evaluate_cmd.main(args)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from dtrain.commands.generate import command as generate
+
+    return generate.main(args)
+
+
 def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
 
@@ -156,6 +162,7 @@ HANDLERS: dict[str, Handler] = {
     "plan": _plan,
     "doctor": _doctor,
     "eval": _eval,
+    "generate": _generate,
     "export": _export,
     "verify": _verify,
     "runs": _runs,
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         handler, args = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as stop:  # argparse has printed the help (0) or the usage error (2)
         return _exit_code(stop)
-    if handler not in (_train, _eval):  # the other commands need no torch to start
+    if handler not in (_train, _eval, _generate):  # the other commands need no torch to start
         return _run(handler, args)
     # Under torchrun, a failed rank's error goes to the file the agent reports from. `record`
     # hands back None where the command raised SystemExit(0).

@@ -20,6 +20,7 @@ WEIGHTS_HELP = "the trained weights (default) or their moving average (train.ema
 # each takes that may be in an object store.
 IN_A_STORE = {
     "eval": "A run directory or checkpoint",
+    "generate": "A run directory or checkpoint",
     "export": "A run directory, checkpoint or --out",
     "verify": "A run directory or checkpoint",
     "runs": "DIR or --out-dir",
@@ -31,7 +32,7 @@ STORE_PATHS = (
     "AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); see docs/storage.md."
 )
 # The commands that read code others may have named (a model folder's, a dataset's).
-READ_CODE = ("eval", "export", "tokenize")
+READ_CODE = ("eval", "generate", "export", "tokenize")
 
 
 def _with_config(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +103,53 @@ def _eval(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="with --profile: where the traces go (default: the run's profile/ folder; for a "
         "run in an object store, ./profile/<run name> on this machine)",
+    )
+    p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="[DIR] section.key=value",
+        help="the run directory, and config keys over the run's (e.g. data.root=PATH)",
+    )
+
+
+def _generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", "--run", dest="run", metavar="DIR", help=RUN_DIR_HELP)
+    p.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="latest|best|PATH",
+        help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
+    )
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    prompts.add_argument("--prompts", metavar="FILE", help="a UTF-8 file of prompts, one per line")
+    prompts.add_argument(
+        "--interactive", action="store_true", help="read prompts from the terminal, line by line"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=128, metavar="N", help="at most N new tokens (128)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0: greedy (default); above 0: sample from softmax(logits / T)",
+    )
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens")
+    p.add_argument(
+        "--top-p", type=float, metavar="P", help="sample among the likeliest tokens of mass P"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="of sampling: the same seed, the same text (0)"
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "jsonl"),
+        default="text",
+        help="text (default): a chat run's reply, another's prompt and continuation; jsonl: a "
+        "JSON line per prompt with the token ids and why it stopped",
     )
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
     p.add_argument(
@@ -211,6 +259,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         "a checkpoint's metrics by the run's own evaluation, on its validation data or on "
         "other data (under torchrun, srun or as a single process); read-only but for DIR/evals/",
         _eval,
+    ),
+    "generate": (
+        "what a checkpoint's language model says to prompts: greedy or sampled, a chat run's "
+        "reply (under torchrun, srun or as a single process); read-only",
+        _generate,
     ),
     "export": ("export a checkpoint's weights for use without dtrain", _export),
     "verify": (

@@ -23,6 +23,7 @@ from torch import nn
 from dtrain.config import ModelConfig, registry
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable, require
+from dtrain.models.kv_cache import KVCache, LayerCache
 from dtrain.models.spec import spec_of
 
 
@@ -178,17 +179,27 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """With `mask` (bool, True where a query may see a key), that mask replaces causality."""
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """With `mask` (bool, True where a query may see a key), that mask replaces causality.
+        With `cache` (generation), `x` follows the tokens whose keys and values it holds: they
+        join them, and each query sees them all and the new tokens up to its own."""
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        causal = self.causal and mask is None
+        if cache is not None:
+            k, v = cache.extend(k, v)
+            mask = cache.mask(tokens, causal, x.device)
+            causal = False
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
+            q,
+            k,
+            v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and mask is None,
+            is_causal=causal,
         )
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
@@ -204,8 +215,10 @@ class GPTBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), mask))
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), mask, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -215,7 +228,10 @@ class GPT(nn.Module):
 
     `position_ids` (batch, length), as Hugging Face models take them for packed sequences: a
     document starts wherever a position does not follow the one before it by 1; each token
-    attends to the tokens of its own document alone, at its positions."""
+    attends to the tokens of its own document alone, at its positions.
+
+    `cache` (a `KVCache`, for generation): `tokens` continue the sequence whose keys and values
+    it holds, at the positions after it; training never passes one."""
 
     def __init__(
         self,
@@ -243,20 +259,28 @@ class GPT(nn.Module):
                     nn.init.zeros_(bias)
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        length = tokens.shape[1]
+        start = 0 if cache is None else cache.length
+        length = start + tokens.shape[1]
         if length > self.seq_len:
             raise ValueError(
                 f"sequence of {length} tokens, longer than the model's seq_len {self.seq_len}"
             )
         mask = None if position_ids is None else block_causal(position_ids)
         if position_ids is None:
-            position_ids = torch.arange(length, device=tokens.device)
+            position_ids = torch.arange(start, length, device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(position_ids))
-        for block in self.blocks:
-            x = block(x, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, None if cache is None else cache.layers[i])
         return self.head(self.norm(x))
+
+    def new_cache(self) -> KVCache:
+        """An empty key/value cache for generating with this model."""
+        return KVCache(len(self.blocks))
 
 
 def block_causal(position_ids: torch.Tensor) -> torch.Tensor:

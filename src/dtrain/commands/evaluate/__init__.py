@@ -1,3 +1,3 @@
-"""`dtrain eval`: the command (its config, layout, evaluation run and result file), the
-checkpoint it evaluates (chosen.py: which one, its local copy, its weights) and `--profile`
-(profiled.py: the evaluation under the torch profiler, where its time went)."""
+"""`dtrain eval`: the command (its evaluation run and result file) and `--profile` (profiled.py:
+the evaluation under the torch profiler, where its time went); the run's config and the
+checkpoint it evaluates are read by `run.trained`, as `dtrain generate` reads them."""

@@ -19,90 +19,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
 import tempfile
 from typing import Any
 
-from dtrain import config, data, parallel
+from dtrain import data
 from dtrain.commands.evaluate import profiled
-from dtrain.commands.evaluate.chosen import Chosen, check_ema, choose, fetched, load_weights
-from dtrain.config import Config, registry
+from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, outputs, remote_copies
 from dtrain.files.store import check_run_dir_entries, fsync_dir
 from dtrain.loop import evaluation
-from dtrain.models.spec import spec_of
 from dtrain.observe import StartupClock, log, setup_logging
 from dtrain.process import dist
 from dtrain.process import env as env_mod
 from dtrain.process.layout import Layout
-from dtrain.run.pieces import EvalPieces, build_eval_pieces, layout_of
+from dtrain.run.pieces import EvalPieces, build_eval_pieces
+from dtrain.run.trained import (
+    Chosen,
+    check_ema,
+    choose,
+    fetched,
+    layout_here,
+    load_weights,
+    run_config,
+    run_dir_and_overrides,
+)
 
 EVALS = names.EVALS
-
-
-# ---------------------------------------------------------------------------------------------
-# The config: the run's own, with --config and the overrides on top
-
-
-def eval_config(
-    run_dir: str, config_path: str | None, overrides: list[str], trusted: bool, shown: str
-) -> Config:
-    """`DIR/config.yaml` (the resolved config the run trained with), the mapping of `config_path`
-    merged over it, then the `section.key=value` overrides; checked like any config. Code that
-    config.yaml names and this command would run (a `module:function`, a model folder's own) is
-    refused unless `trusted` (--trust-remote-code), before any of it is imported; `shown`: the
-    run directory in that line (its URL)."""
-    saved = os.path.join(run_dir, names.CONFIG)
-    if not os.path.isdir(run_dir):
-        raise UserError(f"eval error: --run-dir {run_dir}: no such directory")
-    if not os.path.isfile(saved):
-        raise UserError(
-            f"eval error: --run-dir {run_dir}: not a run directory (it has no config.yaml); "
-            f"name the folder a training run wrote"
-        )
-    merged = config.read_yaml(saved)
-    saved_values = config.flatten(merged)  # (before anything is merged over it)
-    if config_path:
-        _merge(merged, config.read_yaml(config_path))
-    for text in overrides:
-        key, value = config.parse_override(text)
-        config.set_dotted(merged, key, value)
-    # Where the weights come from is the checkpoint: the files a fine-tuning run started from
-    # (model.init_from, model.pretrained) are neither needed nor checked here, but for a LoRA
-    # run's, which hold its frozen base (checked against the checkpoint's digest).
-    cfg = config.from_dict(merged)
-    if not trusted:  # what the user's --config or overrides name is theirs to run
-        named = registry.code_named(cfg).items()
-        from_run = {k: v for k, v in named if saved_values.get(k) == v}
-        registry.refuse_code(from_run, f"--run-dir {shown}: its {names.CONFIG}")
-    if not spec_of(cfg.model).holds_everything:  # the base's weights come from where they did
-        return cfg
-    return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, init_from=None, pretrained=False)
-    )
-
-
-def _merge(base: dict, top: dict) -> None:
-    """`top`'s keys into `base`, section by section; a model's `args` is one value (as in
-    overrides), replaced whole."""
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "args":
-            _merge(base[key], value)
-        else:
-            base[key] = value
-
-
-def eval_layout(cfg: Config, env: env_mod.Env) -> tuple[Config, Layout]:
-    """The training layout at this launch's world size, and the config it was resolved from
-    (the parallel section as the strategy uses it at this world size)."""
-    cfg = dataclasses.replace(cfg, parallel=parallel.for_world_size(cfg.parallel, env.world_size))
-    layout = layout_of(cfg, env)
-    return cfg, layout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,22 +138,8 @@ def _line(chosen: Chosen, metrics: dict[str, float], samples: int, path: str) ->
 # The command
 
 
-def run_dir_and_overrides(run_option: str | None, words: list[str]) -> tuple[str, list[str]]:
-    """The run directory (`--run-dir DIR`, or the one word that is a path) and the overrides."""
-    dirs, overrides = config.paths_and_overrides(words)
-    if run_option is not None:
-        dirs.insert(0, run_option)
-    if len(dirs) != 1:
-        got = f" (got {', '.join(dirs)})" if dirs else ""
-        raise UserError(
-            f"usage error: dtrain eval takes one run directory, as --run-dir DIR or DIR{got}; "
-            f"overrides are section.key=value"
-        )
-    return dirs[0], overrides
-
-
 def main(args: argparse.Namespace) -> int:
-    run_dir, overrides = run_dir_and_overrides(args.run, args.overrides)
+    run_dir, overrides = run_dir_and_overrides(args.run, args.overrides, "eval")
     if args.profile_dir is not None and not args.profile:
         raise UserError("usage error: --profile-dir DIR goes with --profile")
     with tempfile.TemporaryDirectory(prefix="dtrain-eval-") as copies:
@@ -221,9 +154,10 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         records = os.path.join(copies, "run")
         saved = os.path.join(records, names.CONFIG)
         remote_copies.fetch_file(run_dir, names.CONFIG, saved, {}, "eval")
-    cfg = eval_config(records, args.config, overrides, args.trust_remote_code, run_dir)
+    cfg = run_config(records, args.config, overrides, args.trust_remote_code, run_dir, "eval")
+    options = dict(cfg.run.storage_options)
     env = env_mod.detect()
-    cfg, layout = eval_layout(cfg, env)
+    cfg, layout = layout_here(cfg, env)
     dist.init(layout, cfg.dist)
     setup_logging(dist.rank(), cfg.log.all_ranks)
     val_loader: Any = None
@@ -231,10 +165,10 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
     try:
         # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
         listing = os.path.join(copies, "listing")
-        chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg, listing))
-        chosen = fetched(chosen, os.path.join(copies, "checkpoint"), dict(cfg.run.storage_options))
+        chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg, listing, "eval"))
+        chosen = fetched(chosen, os.path.join(copies, "checkpoint"), options)
         if args.weights == "ema":
-            dist.on_main(lambda: check_ema(chosen))
+            dist.on_main(lambda: check_ema(chosen, "eval"))
         if args.profile:
             made = dist.on_main(
                 lambda: profiled.trace_folder(run_dir, chosen.name, args.profile_dir)
@@ -242,7 +176,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
             profile = profiled.EvalProfile(profiled.joined(made), dist.rank(), layout.device)
         pieces = build_eval_pieces(cfg, layout, StartupClock())
         val_loader = pieces.val_loader
-        load_weights(pieces.model, chosen, cfg)
+        load_weights(pieces.model, chosen, cfg, "eval")
         if args.weights == "ema":
             from dtrain.loop import ema
 
@@ -279,7 +213,6 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
                 print(
                     "\n".join(profiled.lines(summary, dist.world_size(), profile.folder, run_dir))
                 )
-            options = dict(cfg.run.storage_options)
             path = _keep_result(run_dir, records, chosen, result, options, metrics, samples)
             print(_line(chosen, metrics, samples, path), flush=True)
         dist.barrier()

@@ -215,7 +215,7 @@ def verdict(summary: dict[str, Any]) -> str:
     if largest >= DOMINANT_PERCENT and largest == arithmetic:
         return (
             f"verdict: matrix multiplies and convolutions take {arithmetic:.0f} % of the time: "
-            f"int8 quantization may help"
+            f"int8 may help (dtrain export --quantize)"
         )
     if largest >= DOMINANT_PERCENT and largest == data:
         return (
@@ -229,5 +229,5 @@ def verdict(summary: dict[str, Any]) -> str:
         )
     return (
         f"verdict: matrix multiplies and convolutions take only {arithmetic:.0f} % of the time: "
-        f"int8 quantization would shorten little of it (the operators above take the rest)"
+        f"int8 would shorten little of it"
     )

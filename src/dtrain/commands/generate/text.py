@@ -1,0 +1,205 @@
+"""The text side of `dtrain generate`: the run's tokenizer (an `hf:` model folder's own, else
+the token folder's that `dtrain tokenize` wrote beside the tokens), a chat run's template (the
+prompt as a user's message, with the header the model replies after), what ends a reply, and
+the prompts (--prompt, a file of one per line, or a terminal's lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.config import DataConfig, ModelConfig
+from dtrain.core.errors import UserError, first_line
+from dtrain.core.imports import require
+from dtrain.core.urls import is_url
+from dtrain.files import names
+from dtrain.models import hf
+
+COMMAND = "generate"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class RunTokenizer:
+    """Text to the run's token ids and back; `stop_ids`: the tokens that end a reply (the
+    end-of-text token; in a chat run every special token too: the end of a turn); `chat`:
+    whether a prompt is rendered as a user's message with the chat template."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    stop_ids: frozenset[int]
+    chat: bool
+    size: int  # the tokenizer's vocabulary, added tokens included
+    where: str  # where it came from, for the log line
+
+    @property
+    def pad_id(self) -> int:
+        return min(self.stop_ids) if self.stop_ids else 0
+
+
+def token_folder(data: DataConfig) -> str | None:
+    """The local token folder of a `data.name: tokens` run (a mix's first), else None."""
+    if data.name != "tokens":
+        return None
+    mix = data.tokens.mix
+    root = str(mix[0]["root"]) if mix else data.root
+    return None if is_url(root) else root
+
+
+def run_tokenizer(data: DataConfig, model: ModelConfig) -> RunTokenizer:
+    """An `hf:` model's own tokenizer where its folder has one, else the token folder's; one
+    line where the run has neither (a run on images, on bytes, on a dataset of its own)."""
+    folder = token_folder(data)
+    meta = _folder_meta(folder) if folder else {}
+    if model.name.startswith(hf.PREFIXES):
+        own = hf.resolve(model.name)
+        if any(os.path.isfile(os.path.join(own, f)) for f in (TOKENIZER_FILE, "tokenizer.model")):
+            return _model_tokenizer(own, meta, model.trust_remote_code)
+    if folder and os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        return _folder_tokenizer(folder, meta)
+    raise UserError(
+        f"{COMMAND} error: the run has no tokenizer: its model ({model.name}) has no folder with "
+        f"one and its data (data.name {data.name}) is not a token folder with a "
+        f"{TOKENIZER_FILE} (dtrain tokenize writes one)"
+    )
+
+
+def _folder_meta(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, names.TOKEN_META)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{COMMAND} error: cannot read {path} ({first_line(e)})") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _folder_tokenizer(folder: str, meta: dict[str, Any]) -> RunTokenizer:
+    tokenizers = require("tokenizers", "tokens", f"dtrain {COMMAND} (the token folder's tokenizer)")
+    path = os.path.join(folder, TOKENIZER_FILE)
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the library raises its own kinds for a bad file
+        raise UserError(f"{COMMAND} error: cannot load {path} ({first_line(e)})") from None
+    tokenizer.encode_special_tokens = True  # a prompt's text is text, as the documents' was
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    eot = meta.get("eot_id")
+    stop = {int(eot)} if isinstance(eot, int) else set()
+    template = (meta.get("chat") or {}).get("template")
+    encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    if template:
+        transformers = require("transformers", "transformers", f"dtrain {COMMAND} (a chat run)")
+        templated = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token=meta.get("eot")
+        )
+        templated.chat_template = template
+        encode = _rendered(templated)
+        stop |= special
+    return RunTokenizer(
+        encode,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=bool(template)),
+        frozenset(stop),
+        bool(template),
+        tokenizer.get_vocab_size(with_added_tokens=True),
+        path,
+    )
+
+
+def _model_tokenizer(folder: str, meta: dict[str, Any], trusted: bool) -> RunTokenizer:
+    transformers = require("transformers", "transformers", f"dtrain {COMMAND} (an hf: model)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trusted
+        )
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad folder
+        raise UserError(
+            f"{COMMAND} error: cannot load the tokenizer in {folder} ({first_line(e)})"
+        ) from None
+    chat = bool(meta.get("chat"))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = meta["chat"].get("template")
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if isinstance(meta.get("eot_id"), int):
+        stop.add(meta["eot_id"])
+    if chat:
+        stop |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    encode = (
+        _rendered(tokenizer)
+        if chat
+        else (lambda text: tokenizer(text, add_special_tokens=True)["input_ids"])
+    )
+    return RunTokenizer(
+        encode,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=chat),
+        frozenset(stop),
+        chat,
+        len(tokenizer),
+        folder,
+    )
+
+
+def _rendered(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A prompt as the chat template renders a user's message before the model's reply."""
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    return encode
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompts
+
+
+def prompts_in(path: str) -> list[str]:
+    """The prompts of a file: one per line (empty lines skipped), UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserError(
+            f"{COMMAND} error: --prompts {path}: {e.strerror or first_line(e)}"
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{COMMAND} error: --prompts {path} is not UTF-8 text (line {line}, byte "
+            f"{e.start}); save it as UTF-8"
+        ) from None
+    found = [line for line in text.splitlines() if line.strip()]
+    if not found:
+        raise UserError(f"{COMMAND} error: --prompts {path} holds no prompt (one per line)")
+    return found
+
+
+def check_terminal() -> None:
+    """--interactive reads a person's lines: refused when stdin is not a terminal."""
+    if not sys.stdin.isatty():
+        raise UserError(
+            f"{COMMAND} error: --interactive reads prompts from a terminal and stdin is not "
+            f"one; give --prompt TEXT or --prompts FILE"
+        )
+
+
+def typed_lines() -> Iterator[str]:
+    """A terminal's lines, each after a prompt sign, until end of input (Ctrl-D) or Ctrl-C."""
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if line.strip():
+            yield line
