@@ -23,6 +23,8 @@ from dtrain.config.plain_yaml import DuplicateKey
 from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.config.schema import (
     DEFAULT_RUN_NAME,
+    QAT_SCHEMES,
+    QUANTIZATION_SCHEMES,
     CkptConfig,
     Config,
     DDPConfig,
@@ -32,6 +34,7 @@ from dtrain.config.schema import (
     FSDPConfig,
     OptimConfig,
     ParallelConfig,
+    QatConfig,
     RunConfig,
     SchedConfig,
     SlurmConfig,
@@ -44,6 +47,8 @@ from dtrain.core.errors import UserError
 # re-exported here, so `dtrain.config` stays the one place to import the config from.
 __all__ = [
     "DEFAULT_RUN_NAME",
+    "QAT_SCHEMES",
+    "QUANTIZATION_SCHEMES",
     "CkptConfig",
     "Config",
     "DDPConfig",
@@ -58,6 +63,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "ProfileConfig",
+    "QatConfig",
     "RunConfig",
     "SchedConfig",
     "SlurmConfig",

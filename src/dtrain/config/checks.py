@@ -9,7 +9,14 @@ import difflib
 from dtrain.config import registry
 from dtrain.config.data import MIX_METRICS, check_mix, mix_names
 from dtrain.config.model import ModelConfig
-from dtrain.config.schema import Config, OptimConfig, RunConfig
+from dtrain.config.schema import (
+    QAT_SCHEMES,
+    QUANTIZATION_SCHEMES,
+    Config,
+    OptimConfig,
+    QatConfig,
+    RunConfig,
+)
 from dtrain.core import urls
 from dtrain.core.errors import UserError
 
@@ -26,6 +33,7 @@ def cross_checks(cfg: Config) -> None:
     _check_optimizer(cfg.optim)
     _check_run(cfg.run)
     _check_model(cfg.model)
+    _check_qat(cfg.train.qat)
     wrap = cfg.parallel.fsdp.wrap
     if isinstance(wrap, str) and wrap != "auto":
         raise UserError(
@@ -117,6 +125,30 @@ def _check_model(model: ModelConfig) -> None:
         raise UserError(
             "config error: model.pretrained and model.init_from both name starting "
             "weights; keep one"
+        )
+
+
+def _check_qat(qat: QatConfig) -> None:
+    """A scheme that exists and that quantization-aware training has fake quantization for."""
+    if qat.scheme is None:
+        if qat.start_step:
+            raise UserError(
+                "config error: train.qat.start_step is set but train.qat.scheme is not; name "
+                f"the scheme ({', '.join(QAT_SCHEMES)}) or drop train.qat"
+            )
+        return
+    if qat.scheme not in QUANTIZATION_SCHEMES:
+        close = difflib.get_close_matches(qat.scheme, QUANTIZATION_SCHEMES, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(
+            f"config error: train.qat.scheme: unknown scheme '{qat.scheme}'{hint}; "
+            f"quantization-aware training trains for {', '.join(QAT_SCHEMES)}"
+        )
+    if qat.scheme not in QAT_SCHEMES:
+        raise UserError(
+            f"config error: train.qat.scheme: {qat.scheme} has no fake quantization to train "
+            f"with; quantization-aware training trains for {', '.join(QAT_SCHEMES)} (quantize "
+            f"a trained run with {qat.scheme} by dtrain export instead)"
         )
 
 

@@ -252,6 +252,31 @@ class EmaConfig:
     )
 
 
+# The quantization schemes (models/quantize.py implements them), and those whose fake
+# quantization quantization-aware training can train with.
+QUANTIZATION_SCHEMES = ("int8-dynamic", "int8-weight", "int8-static", "int4-weight")
+QAT_SCHEMES = ("int8-dynamic",)
+
+
+@dataclass(frozen=True)
+class QatConfig:
+    """Quantization-aware training: the Linear layers train through torchao's fake quantization
+    (float numbers rounded as the scheme will round them) so that the weights learn to live with
+    int8; see [Training](training.md#quantization-aware-training-trainqat)."""
+
+    scheme: str | None = option(
+        None,
+        doc=f"the scheme trained for and later converted to: {', '.join(QAT_SCHEMES)}; "
+        "null = no fake quantization",
+    )
+    start_step: int = option(
+        0,
+        check=NON_NEGATIVE,
+        doc="the first this many optimizer steps train in float, the rest fake-quantized "
+        "(0: all of them)",
+    )
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The loop: length, precision, checks and evaluation; see [Faults](faults.md)."""
@@ -309,6 +334,7 @@ class TrainConfig:
     )
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    qat: QatConfig = field(default_factory=QatConfig)
 
 
 @dataclass(frozen=True)

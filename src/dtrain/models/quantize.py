@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.config import QAT_SCHEMES
 from dtrain.core.errors import UserError, first_line
 from dtrain.process import compat
 
@@ -99,8 +100,6 @@ SCHEMES = {
     )
 }
 INT4_GROUP_SIZE = 128
-# The schemes that quantization-aware training can fake-quantize and then convert to.
-QAT_SCHEMES = ("int8-dynamic",)
 
 
 def library(feature: str = "quantization") -> ModuleType:
@@ -275,12 +274,39 @@ def convert_qat(model: nn.Module, scheme: str) -> nn.Module:
     """A quantized copy (in eval mode) of a model that `prepare_qat` prepared for `scheme`: its
     fake-quantized layers back to Linear layers, then quantized by `scheme`."""
     _qat_scheme(model, scheme)
+    return _converted(copy.deepcopy(model).eval(), scheme)
+
+
+def _converted(prepared: nn.Module, scheme: str) -> nn.Module:
+    """`prepared` (a model prepare_qat prepared for `scheme`), converted in place."""
     ao = library(f"quantization-aware training ({scheme})")
-    converted = copy.deepcopy(model).eval()
     ao.quantization.quantize_(
-        converted, ao.quantization.qat.QATConfig(_int8_dynamic_config(ao), step="convert")
+        prepared, ao.quantization.qat.QATConfig(_int8_dynamic_config(ao), step="convert")
     )
-    return converted
+    return prepared
+
+
+def fake_quantization(model: nn.Module, on: bool) -> int:
+    """Switch the fake quantization of a model that `prepare_qat` prepared on or off (off, its
+    layers compute as the plain Linear layers do, bit for bit); the number of layers switched."""
+    ao = library("quantization-aware training")
+    layers = fake_quantized_layers(model)
+    for layer in layers:
+        ao.quantization.qat.linear.enable_linear_fake_quant(layer, enabled=on)
+    return len(layers)
+
+
+def fake_quantized_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that `prepare_qat` made fake-quantize."""
+    ao = library("quantization-aware training")
+    return [m for m in model.modules() if isinstance(m, ao.quantization.qat.FakeQuantizedLinear)]
+
+
+def quantized_after_qat(model: nn.Module, scheme: str) -> nn.Module:
+    """The int8 model of `model`, a plain model that holds the weights of a run trained with
+    fake quantization for `scheme` (rebuilt from its checkpoint, whose keys are the plain
+    model's): prepared as training prepared it, then converted. `model` is not changed."""
+    return _converted(prepare_qat(copy.deepcopy(model), scheme).eval(), scheme)
 
 
 def _qat_scheme(model: nn.Module, name: str) -> None:

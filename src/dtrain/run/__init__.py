@@ -30,7 +30,6 @@ from dtrain.loop import optim
 from dtrain.loop.ema import EmaWeights
 from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Trainer
-from dtrain.models.spec import spec_of
 from dtrain.observe import (
     RunFacts,
     RunLog,
@@ -221,7 +220,7 @@ def _train(
     torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, learner.model)  # None unless train.ema.decay is set
-    spec = spec_of(cfg.model)
+    spec = pieces.spec
     checkpoints = build_checkpointer(cfg, layout, store, pieces, learner, spec, state, ema)
     resumed = resume_or_start(checkpoints, cfg, layout, pieces, spec, state, learner.schedule)
     if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):
@@ -246,7 +245,7 @@ def _train(
     shown = f"{cfg.run_url} (staged in {run_dir})" if cfg.run_url else run_dir
     _banner(cfg, layout, pieces, shown, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
-    callbacks = build_callbacks(layout, record, clock, resumed, learner, ema, profiler)
+    callbacks = build_callbacks(layout, record, clock, resumed, learner, ema, profiler, spec, state)
     trainer = build_trainer(
         cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks
     )

@@ -4,12 +4,13 @@ the loop's other components (`dtrain.loop.components`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtrain import models
+from dtrain import models, parallel
 from dtrain.checkpoint import POSITION, Checkpointer, Contents, Resumed, Stateful
 from dtrain.config import Config, to_dict
 from dtrain.core.logs import log_fitted
@@ -23,7 +24,7 @@ from dtrain.loop.saving import Saving
 from dtrain.loop.state import TrainState
 from dtrain.loop.trainer import Trainer
 from dtrain.models.spec import ModelSpec
-from dtrain.observe import RunLog, StartupClock, Throughput, peak_flops, profiling
+from dtrain.observe import RunLog, StartupClock, Throughput, log, peak_flops, profiling
 from dtrain.observe.stragglers import Stragglers
 from dtrain.process import compat, dist, slurm
 from dtrain.process.layout import Layout
@@ -88,10 +89,13 @@ def build_callbacks(
     learner: Learner,
     ema: EmaWeights | None,
     profiler: profiling.Profiler,
+    spec: ModelSpec,
+    state: TrainState,
 ) -> Callbacks:
     """What runs between steps: the first step's line and figures (start-up time, state sizes,
-    the world size), the profiler's schedule, the run record after each checkpoint, and under
-    SLURM whether a stop's checkpoint fits the job's time left."""
+    the world size), the profiler's schedule, fake quantization from train.qat's start step,
+    the run record after each checkpoint, and under SLURM whether a stop's checkpoint fits the
+    job's time left."""
     # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
     # and where it changed since the checkpoint, from what: an elastic run shows its changes.
     world: dict[str, Any] = {"world_size": layout.world_size}
@@ -105,12 +109,33 @@ def build_callbacks(
         return {**world, **_log_state_bytes(learner.model, learner.optimizer, ema)}
 
     callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
+    if spec.qat is not None:
+        callbacks.step_end.append(_fake_quantization_from_its_step(spec, learner.model, state))
     if layout.env.slurm_job_id and dist.is_main():
         job_id = layout.env.slurm_job_id
         callbacks.before_stop_save.append(
             lambda last_save_s: slurm.check_grace(job_id, last_save_s)
         )
     return callbacks
+
+
+def _fake_quantization_from_its_step(
+    spec: ModelSpec, model: nn.Module, state: TrainState
+) -> Callable[[], None]:
+    """Fake quantization as it is at the run's step, which the step alone decides (so a resumed
+    run, at any world size, trains as an uninterrupted one): set now for the step an attempt
+    starts at, then switched on after the step that reaches train.qat's start step, before
+    that step's evaluation and save."""
+    inner = parallel.unwrap(model)
+    on = spec.switch_fake_quantization(inner, state.step)
+
+    def after_step() -> None:
+        nonlocal on
+        if not on and spec.fake_quantizes_at(state.step):
+            on = spec.switch_fake_quantization(inner, state.step)
+            log.info(f"step {state.step}: fake quantization on from here (train.qat)")
+
+    return after_step
 
 
 def build_trainer(

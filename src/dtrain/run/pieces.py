@@ -17,7 +17,7 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError, first_line
 from dtrain.data.sampler import epoch_steps
 from dtrain.loop.ema import monitored_metric
-from dtrain.models.spec import spec_of
+from dtrain.models.spec import ModelSpec, spec_of
 from dtrain.observe import StartupClock
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist, rng
@@ -40,6 +40,7 @@ class Pieces:
     num_params: int
     notes: list[str]  # what the banner adds: image sizes and transforms, loader workers, ...
     starting_weights: StartingWeights | None  # model.init_from / pretrained, checked
+    spec: ModelSpec  # what kind of model trains (adapters, fake quantization), made once
 
 
 @dataclass
@@ -72,6 +73,14 @@ def layout_of(cfg: Config, env: Env, device: torch.device | None = None) -> Layo
 def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     """Data, task and model, wrapped for the parallel mode, and the task tried once on a
     validation batch: a task or model that cannot work ends here, with nothing written."""
+    spec = spec_of(cfg.model, cfg.train.qat)
+    if spec.qat is not None and layout.sharded:
+        raise UserError(
+            "config error: train.qat under parallel.mode fsdp: torchao's fake quantization "
+            "swaps each Linear layer for one of its own, and FSDP's sharded parameters stay "
+            "with the layers it sharded (the new layers would compute with sharded DTensor "
+            "weights); train quantization-aware with parallel.mode ddp or none"
+        )
     set_torch_flags(cfg)
     rng.reseed(cfg.run.seed)
     overfit = cfg.train.overfit_batches
@@ -100,7 +109,7 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     steps = epoch_steps(layout, cfg.train, cfg.data, len(datasets.train))
     clock.mark("data")
     task, wrapped, precision, num_params = _model_and_task(
-        cfg, layout, datasets, loaders.val, notes, clock
+        cfg, layout, spec, datasets, loaders.val, notes, clock
     )
     starting = (
         StartingWeights(wrapped, cfg.model, cfg.run.storage_options)
@@ -108,7 +117,9 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
         else None
     )
     clock.mark("task check")
-    return Pieces(datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting)
+    return Pieces(
+        datasets, loaders, steps, task, wrapped, precision, num_params, notes, starting, spec
+    )
 
 
 def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalPieces:
@@ -128,20 +139,24 @@ def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalP
         workers=workers,
     )
     clock.mark("data")
-    task, model, precision, _ = _model_and_task(cfg, layout, datasets, val_loader, notes, clock)
+    task, model, precision, _ = _model_and_task(
+        cfg, layout, spec_of(cfg.model), datasets, val_loader, notes, clock
+    )
     return EvalPieces(datasets, val_loader, val_sampler, task, model, precision, notes)
 
 
 def _model_and_task(
     cfg: Config,
     layout: Layout,
+    spec: ModelSpec,
     datasets: data.Datasets,
     val_loader: Any,
     notes: list[str],
     clock: StartupClock,
 ) -> tuple[tasks.Task, nn.Module, Precision, int]:
-    """The task, the model wrapped in the run's precision and parallel mode (its number of
-    parameters; how it was built joins `notes`), checked once on a validation batch."""
+    """The task, the model wrapped in the run's precision and parallel mode and prepared as
+    `spec` says (its number of parameters; how it was built joins `notes`), checked once on a
+    validation batch."""
     task = tasks.build(cfg.task, datasets.info)
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
     strategy = parallel.strategy(cfg.parallel, layout)
@@ -149,7 +164,10 @@ def _model_and_task(
         cfg.model, datasets.info, cfg.run.seed, precision
     )
     notes += model_notes
-    described = spec_of(cfg.model).describe(wrapped)
+    # Inside DDP's wrapper: the layers that fake quantization swaps in keep their parameters,
+    # which DDP and the optimizer hold.
+    spec.fake_quantize(parallel.unwrap(wrapped))
+    described = spec.describe(wrapped)
     if described:
         notes.append(described)
     clock.mark("model and wrap")
