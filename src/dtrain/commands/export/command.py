@@ -196,6 +196,10 @@ def export(
     runs_code = registry.BUILT_BY_READERS if quantize is not None else form.runs_code
     untrusted = () if trusted else runs_code
     model, meta = form.load(path, weights, untrusted, shown)
+    if quantize is not None:
+        from dtrain.commands.export import quantized
+
+        quantized.check_layers(model, quantize.scheme)
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     job = Job(model, meta, what, weights, list(overrides), shard_size)
     # Written beside --out under a hidden name, checked, then renamed into place: a failure (a
@@ -208,8 +212,6 @@ def export(
             if quantize is None:
                 found, line = form.read_back(job, staging, form.write(job, staging))
             else:
-                from dtrain.commands.export import quantized
-
                 measured = quantized.export(form, job, staging, quantize)
                 found, line = measured.result["drop"], f"{measured.line} -> {staging}"
         except UserError as e:

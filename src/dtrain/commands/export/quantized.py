@@ -77,6 +77,8 @@ def check_request(form: ExportFormat, request: Request) -> None:
     """--quantize's refusals that need no checkpoint: one line each."""
     scheme = quantize.scheme_of(request.scheme)
     form.check_quantize(scheme.name)
+    if not form.runtime:  # quantized by torchao (else by the format's runtime's own tools)
+        quantize.library(f"dtrain export --quantize {scheme.name}")
     if not scheme.cpu:
         raise UserError(
             f"export error: --quantize {scheme.name} needs a GPU (its kernel runs on CUDA) and "
@@ -217,7 +219,6 @@ class Measured:
 def export(form: ExportFormat, job: Job, out: str, request: Request) -> Measured:
     """The quantized export at `out`, and its figures against the full-precision one. A drop
     beyond the limit removes it and exits 1 with the figures."""
-    check_layers(job.model, request.scheme)
     scheme = quantize.scheme_of(request.scheme)
     run = run_data(job.meta, job.overrides)
     count = request.calibration_batches or CALIBRATION_BATCHES
