@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,9 +235,12 @@ def export(form: ExportFormat, job: Job, out: str, request: Request) -> Measured
         metrics = {side: run.evaluate(form.load_file(p)) for side, p in sides.items()}
         compiled = request.latency == "compiled" and not form.runtime
         how = form.runtime or ("compiled (inductor)" if compiled else "eager")
-        latency = {
-            side: quantize.latency(form.load_file(p), timed, compiled) for side, p in sides.items()
-        }
+        with warnings.catch_warnings():  # inductor's notes on the code it generates
+            warnings.simplefilter("ignore")
+            latency = {
+                side: quantize.latency(form.load_file(p), timed, compiled)
+                for side, p in sides.items()
+            }
         sizes = {side: size_of(p) for side, p in sides.items()}
     finally:
         shutil.rmtree(plain_folder, ignore_errors=True)
