@@ -52,3 +52,11 @@ def test_the_registry_imports_no_torch() -> None:
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            cwd=REPO, env={"PYTHONPATH": str(REPO / "src")}, check=True)
     assert found.stdout.strip() == "False"
+
+
+def test_the_quantize_schemes_are_models_quantizes_and_each_format_says_its_own() -> None:
+    from dtrain.commands.export.formats import QUANTIZE_SCHEMES
+    from dtrain.models.quantize import SCHEMES
+
+    assert QUANTIZE_SCHEMES == tuple(SCHEMES)
+    assert {n for n, f in FORMATS.items() if f.quantizes} == {"exported", "onnx"}

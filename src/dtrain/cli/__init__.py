@@ -109,8 +109,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from dtrain.commands.export import command as export
+    from dtrain.core.errors import UserError
 
     overrides = config.overrides_only(args.overrides, "export", "names its run as --run-dir DIR")
+    quantize = None
+    if args.quantize is not None:
+        quantize = export.Request(
+            args.quantize, args.calibration_batches, args.max_drop, args.latency
+        )
+    elif args.calibration_batches is not None or args.max_drop is not None:
+        raise UserError("export error: --calibration-batches and --max-drop go with --quantize")
     export.main(
         args.run,
         args.checkpoint,
@@ -120,6 +128,7 @@ def _export(args: argparse.Namespace) -> int:
         overrides,
         args.max_shard_size,
         args.trust_remote_code,
+        quantize,
     )
     return 0
 

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Callable
 
 from dtrain.commands.export.formats import FORMATS as EXPORT_FORMATS
+from dtrain.commands.export.formats import QUANTIZE_SCHEMES
 from dtrain.commands.tokenize import options as tokenize_options
 from dtrain.core.imports import TRUST_HELP, TRUST_SWITCH
 
@@ -191,10 +192,40 @@ def _export(p: argparse.ArgumentParser) -> None:
         help="--format hf: the largest safetensors file, e.g. 500MB (default 2GB)",
     )
     p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_SCHEMES,
+        metavar="SCHEME",
+        help="--format exported or onnx, quantized: "
+        + ", ".join(QUANTIZE_SCHEMES)
+        + " (the 'quant' extra); measured against full precision on the run's validation "
+        "split, the figures in the run's evals/ (docs/after_training.md)",
+    )
+    p.add_argument(
+        "--calibration-batches",
+        type=int,
+        metavar="N",
+        help="--quantize int8-static: the training batches it calibrates on (default 16, at "
+        "least 4)",
+    )
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        metavar="X",
+        help="--quantize: the largest drop accepted, in points of accuracy (default 1) or in "
+        "%% of bits per byte or loss (default 2); a larger one exits 1, nothing written",
+    )
+    p.add_argument(
+        "--latency",
+        choices=("compiled", "eager"),
+        default="compiled",
+        help="--quantize --format exported: time both files compiled by torch.compile "
+        "(default; how int8 gains speed) or eagerly; ONNX files run under onnxruntime",
+    )
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="data.key=value",
-        help="--format onnx: where the check's validation batch is read from (e.g. data.root)",
+        help="--format onnx, --quantize: where the run's data is read from (e.g. data.root)",
     )
 
 

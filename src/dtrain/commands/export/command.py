@@ -22,6 +22,8 @@ import tempfile
 from dtrain import checkpoint
 from dtrain.commands.export.checkpoint_model import load_model as load_model
 from dtrain.commands.export.formats import FORMATS, ExportFormat, Job
+from dtrain.commands.export.quantized import Request as Request
+from dtrain.config import registry
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url, join
 from dtrain.files import names, outputs, remote_copies
@@ -64,13 +66,20 @@ def main(
     overrides: list[str] | tuple[str, ...] = (),
     shard_size: str | None = None,
     trusted: bool = False,
+    quantize: Request | None = None,
 ) -> float:
     """The command: the checkpoint at `path` (or the newest of the run `run`) exported to `out`;
     code that the checkpoint's config names runs only when `trusted` (--trust-remote-code).
     Either may be in an object store: a checkpoint there is fetched to a temporary folder (each
     file checked by its digest as it is read), an export is made and checked here, then uploaded
-    (the weights file last: an interrupted upload leaves no new weights beside an old config)."""
-    form = check_request(fmt, weights, overrides)
+    (the weights file last: an interrupted upload leaves no new weights beside an old config).
+    `quantize`: the export quantized and measured (quantized.py); local runs only."""
+    form = check_request(fmt, weights, overrides, quantize=quantize)
+    if quantize is not None and any(is_url(p) for p in (run, path, out) if p):
+        raise UserError(
+            "export error: --quantize writes its figures into the run's evals/: export from a "
+            "run directory or checkpoint on this machine, to a --out here"
+        )
     if is_url(out):
         parent, name = out.rstrip("/").rsplit("/", 1)
         for rel in [name, *form.beside(name)]:
@@ -84,7 +93,15 @@ def main(
             local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "checkpoint"), {})
         if not is_url(out):
             return export(
-                local, out, fmt, weights, overrides, source, shard_size=shard_size, trusted=trusted
+                local,
+                out,
+                fmt,
+                weights,
+                overrides,
+                source,
+                shard_size=shard_size,
+                trusted=trusted,
+                quantize=quantize,
             )
         parent, name = out.rstrip("/").rsplit("/", 1)
         made = os.path.join(copies, "out")
@@ -118,7 +135,11 @@ def names_below(folder: str) -> list[str]:
 
 
 def check_request(
-    fmt: str, weights: str, overrides: list[str] | tuple[str, ...], shard_size: str | None = None
+    fmt: str,
+    weights: str,
+    overrides: list[str] | tuple[str, ...],
+    shard_size: str | None = None,
+    quantize: Request | None = None,
 ) -> ExportFormat:
     """What the command is asked for, before any checkpoint is read (or fetched): the format."""
     form = FORMATS.get(fmt)
@@ -126,12 +147,16 @@ def check_request(
         raise UserError(f"export error: unknown format '{fmt}'; one of {', '.join(FORMATS)}")
     if weights not in WEIGHTS:
         raise UserError(f"export error: unknown --weights '{weights}'; model or ema")
-    if overrides and not form.reads_data:
+    if overrides and not form.reads_data and quantize is None:
         raise UserError(
             "export error: data.* overrides steer the validation batch of --format onnx's "
             "check only; drop them"
         )
     form.require()
+    if quantize is not None:
+        from dtrain.commands.export import quantized
+
+        quantized.check_request(form, quantize)
     if shard_size is not None:
         form.shard_bytes(shard_size)
     return form
@@ -147,13 +172,16 @@ def export(
     where: tuple[str, str] | None = None,
     shard_size: str | None = None,
     trusted: bool = False,
+    quantize: Request | None = None,
 ) -> float:
     """Write the export, load it back, and return the largest difference found by the check.
     `overrides` (data.* keys) steer where the ONNX check reads its validation batch. `shown`:
     the checkpoint's name in messages (its URL); `where`: (this folder, the URL it stands for);
     `shard_size`: --format hf's largest safetensors file (default hf_files.SHARD_SIZE);
-    `trusted`: run the code that the checkpoint's config names (--trust-remote-code)."""
-    form = check_request(fmt, weights, overrides, shard_size)
+    `trusted`: run the code that the checkpoint's config names (--trust-remote-code);
+    `quantize`: the export quantized, measured on the run's data (quantized.py): returns the
+    drop."""
+    form = check_request(fmt, weights, overrides, shard_size, quantize)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
     if os.path.isdir(os.path.join(path, names.CHECKPOINTS)):
@@ -164,8 +192,14 @@ def export(
     form.check_out(out)
     out = out.rstrip(os.sep) or out
     shown = shown or path
-    untrusted = () if trusted else form.runs_code
+    # Quantizing reads the run's data, which runs the data's code.
+    runs_code = registry.BUILT_BY_READERS if quantize is not None else form.runs_code
+    untrusted = () if trusted else runs_code
     model, meta = form.load(path, weights, untrusted, shown)
+    if quantize is not None:
+        from dtrain.commands.export import quantized
+
+        quantized.check_layers(model, quantize.scheme)
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     job = Job(model, meta, what, weights, list(overrides), shard_size)
     # Written beside --out under a hidden name, checked, then renamed into place: a failure (a
@@ -175,9 +209,15 @@ def export(
     with outputs.staged(folder, "export") as stage:
         staging = os.path.join(stage, os.path.basename(out))
         try:
-            found, line = form.read_back(job, staging, form.write(job, staging))
+            if quantize is None:
+                found, line = form.read_back(job, staging, form.write(job, staging))
+            else:
+                measured = quantized.export(form, job, staging, quantize)
+                found, line = measured.result["drop"], f"{measured.line} -> {staging}"
         except UserError as e:
             raise type(e)(_final_paths(_final_paths(str(e), stage, folder), here, there)) from None
+    if quantize is not None:
+        line += f"; figures in {quantized.keep(measured, path, out)}"
     print(_final_paths(_final_paths(line, stage, folder), here, there))
     return found
 

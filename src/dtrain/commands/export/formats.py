@@ -10,6 +10,9 @@ A format declares what the command needs to know of it:
   `runs_code`           the config keys whose code it runs (refused unless --trust-remote-code);
   `shards`              it takes --max-shard-size (`shard_bytes`);
   `keeps_adapters`      a LoRA run's adapters stay apart from their base (else merged into it);
+  `quantizes`           the --quantize schemes it writes (quantized.py: the model quantized,
+                        then evaluated against the full-precision one on the run's validation
+                        split), `runtime` what runs its file when that is not PyTorch;
 and does its steps in turn: `check_out(out)` before anything is read; `load`: the checkpoint's
 model (or, for hf, where its tensors come from); `write(job, out)`; `read_back(job, out,
 written)`: loaded back as a user would and compared, the largest difference and the line to
@@ -55,6 +58,8 @@ class ExportFormat:
     reads_data = False
     shards = False
     keeps_adapters = False
+    quantizes: tuple[str, ...] = ()
+    runtime = ""
 
     @property
     def runs_code(self) -> tuple[str, ...]:
@@ -113,6 +118,33 @@ class ExportFormat:
         """Write the export at `out`; returns what `read_back` needs of the writing."""
         raise NotImplementedError
 
+    def check_quantize(self, scheme: str) -> None:
+        """One line unless the format writes --quantize `scheme`."""
+        if scheme in self.quantizes:
+            return
+        takes = "; ".join(
+            f"--format {n} takes {', '.join(f.quantizes)}"
+            for n, f in FORMATS.items()
+            if f.quantizes
+        )
+        does = f"takes only {', '.join(self.quantizes)}" if self.quantizes else "is not quantized"
+        raise UserError(f"export error: --quantize {scheme}: --format {self.name} {does} ({takes})")
+
+    def write_quantized(
+        self, job: Job, out: str, plain: Any, scheme: str, calibration: list[Any]
+    ) -> None:
+        """Write the export at `out` quantized by `scheme`: `plain`, what `write_plain` wrote;
+        `calibration`, model inputs of training batches for a scheme that calibrates."""
+        raise NotImplementedError
+
+    def write_plain(self, job: Job, out: str, example: Any) -> Any:
+        """The full-precision export that a quantized one is measured against, at `out`."""
+        raise NotImplementedError
+
+    def load_file(self, out: str) -> Any:
+        """The export at `out`, loaded as a user would: a callable taking the model's input."""
+        raise NotImplementedError
+
     def read_back(self, job: Job, out: str, written: Any) -> tuple[float, str]:
         """Load `out` back as a user would and compare it with the checkpoint's model: the
         largest difference and the line to print."""
@@ -161,6 +193,25 @@ class Exported(ExportFormat):
     """The model's program by torch.export on the task's example input."""
 
     name = "exported"
+    quantizes = ("int8-dynamic", "int8-weight", "int8-static", "int4-weight")
+
+    def write_plain(self, job: Job, out: str, example: Any) -> Any:
+        from dtrain.commands.export import quantized_files
+
+        return quantized_files.write_program(job.model, job.meta, out, example)
+
+    def write_quantized(
+        self, job: Job, out: str, plain: Any, scheme: str, calibration: list[Any]
+    ) -> None:
+        from dtrain.commands.export import quantized_files
+
+        model = quantized_files.quantized_model(job.model, job.meta, scheme, calibration)
+        quantized_files.write_program(model, job.meta, out, plain)
+
+    def load_file(self, out: str) -> Any:
+        from dtrain.commands.export import quantized_files
+
+        return quantized_files.Program(out)
 
     def write(self, job: Job, out: str) -> Any:
         from dtrain.commands.export import torch_files
@@ -186,9 +237,28 @@ class Onnx(ExportFormat):
         for module in ("onnx", "onnxscript", "onnxruntime")
     )
     reads_data = True
+    quantizes = ("int8-dynamic", "int8-weight", "int8-static")
+    runtime = "onnxruntime"
 
     def beside(self, out: str) -> list[str]:
         return [out + ".data"]
+
+    def write_plain(self, job: Job, out: str, example: Any) -> Any:
+        # The file dtrain writes and checks unquantized: onnxruntime quantizes that file.
+        self.read_back(job, out, self.write(job, out))
+        return out
+
+    def write_quantized(
+        self, job: Job, out: str, plain: Any, scheme: str, calibration: list[Any]
+    ) -> None:
+        from dtrain.commands.export import quantized_files
+
+        quantized_files.write_onnx(plain, out, scheme, calibration)
+
+    def load_file(self, out: str) -> Any:
+        from dtrain.commands.export import quantized_files
+
+        return quantized_files.OnnxSession(out)
 
     def write(self, job: Job, out: str) -> Any:
         from dtrain.commands.export import onnx_file
@@ -294,3 +364,6 @@ FORMATS: dict[str, ExportFormat] = {
     f.name: f
     for f in (StateDict(), TorchScript(), Exported(), Onnx(), Safetensors(), HuggingFace(), Peft())
 }
+# --quantize's schemes, in the order the formats name them (models/quantize.py's SCHEMES: this
+# module imports no torch, and a test keeps the two the same).
+QUANTIZE_SCHEMES = tuple(dict.fromkeys(s for f in FORMATS.values() for s in f.quantizes))

@@ -66,7 +66,7 @@ def write(
     inputs = batch.inputs
     seq_len = meta["model_info"].get("seq_len") if batch.language else None
     started = time.perf_counter()
-    program = _onnx_program(model, inputs, _dynamic_shapes(inputs, seq_len))
+    program = _onnx_program(model, inputs, dynamic_shapes(inputs, seq_len))
     program.model.metadata_props.update(_metadata(meta, weights, batch))
     program.save(out)
     return Written(batch, _opset(program), time.perf_counter() - started)
@@ -198,7 +198,7 @@ def _at_least_two(inputs: Any) -> Any:
     return compat.tree_map_tensors(lambda t: torch.cat([t, t]) if t.dim() else t, inputs)
 
 
-def _dynamic_shapes(inputs: Any, seq_len: int | None) -> Any:
+def dynamic_shapes(inputs: Any, seq_len: int | None) -> Any:
     """Dimension 0 of every input tensor is the batch; with `seq_len` (a language model),
     dimension 1 is the sequence, up to the length the model was built for."""
     batch = torch.export.Dim("batch", min=1)
