@@ -265,3 +265,31 @@ def recomputed_model(run_dir: Path, model: torch.nn.Module) -> float:
             total += task.metrics(model, batch)["loss"].double().sum().item()
             count += tasks.batch_size(batch)
     return total / count
+
+
+def test_a_quantization_aware_run_exports_what_it_trained(runs, tmp_path):
+    """A run trained with fake quantization (train.qat) converts it, not a fresh PTQ: the file's
+    outputs are the converted model's (the model spec's `quantized`), and another scheme or a
+    format whose own tools would quantize afresh is one line."""
+    from dtrain import config
+    from dtrain.commands.export.command import load_model
+    from dtrain.models.spec import spec_of
+    from conftest import latest
+
+    run_dir = runs("gpt-qat", [*GPT, "train.qat.scheme=int8-dynamic"])
+    out = tmp_path / "m.pt2"
+    made = export("--run-dir", str(run_dir), "--format", "exported", "--quantize",
+                  "int8-dynamic", "--out", str(out), "--latency", "eager")
+    assert made.returncode == 0, made.stderr[-3000:]
+    plain, meta = load_model(str(latest(run_dir)))
+    cfg = config.from_dict(meta["config"])
+    converted = spec_of(cfg.model, cfg.train.qat).quantized(plain)
+    assert recomputed(run_dir, out, "exported", "val_loss") == pytest.approx(
+        recomputed_model(run_dir, converted), abs=1e-5)
+    for args, shown in ((["--format", "exported", "--quantize", "int8-weight"], "int8-weight"),
+                        (["--format", "onnx", "--quantize", "int8-dynamic"], "int8-dynamic")):
+        line = _refused(run_dir, tmp_path, *args)
+        assert line == (
+            f"dtrain: export error: --quantize {shown} --format {args[1]}: the run trained "
+            f"quantization-aware for int8-dynamic (train.qat.scheme); export it with --format "
+            f"exported --quantize int8-dynamic, which converts what it trained"), line

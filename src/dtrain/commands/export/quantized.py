@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dtrain import config, data, tasks
+from dtrain.commands.export import quantized_files
 from dtrain.commands.export.check import CheckFailed, discard
 from dtrain.commands.export.formats import ExportFormat, Job
 from dtrain.commands.export.onnx_file import model_input
@@ -100,9 +101,17 @@ def check_request(form: ExportFormat, request: Request) -> None:
         raise UserError(f"export error: --latency {request.latency}: one of {', '.join(LATENCY)}")
 
 
-def check_layers(model: torch.nn.Module, scheme_name: str) -> None:
-    """One line when the model has no layer that the scheme quantizes."""
+def check_layers(model: torch.nn.Module, meta: dict, scheme_name: str, form: ExportFormat) -> None:
+    """One line when the model has no layer that the scheme quantizes, or when the run trained
+    quantization-aware for another scheme (or for a format whose own tools quantize)."""
     scheme = quantize.scheme_of(scheme_name)
+    qat = quantized_files.trained_spec(meta).qat
+    if qat is not None and qat.scheme is not None and (qat.scheme != scheme.name or form.runtime):
+        raise UserError(
+            f"export error: --quantize {scheme.name} --format {form.name}: the run trained "
+            f"quantization-aware for {qat.scheme} (train.qat.scheme); export it with "
+            f"--format exported --quantize {qat.scheme}, which converts what it trained"
+        )
     if not any(isinstance(module, scheme.layers) for module in model.modules()):
         raise UserError(
             f"export error: --quantize {scheme.name}: {type(model).__name__} has no "

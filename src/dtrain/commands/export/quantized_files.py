@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain import config
 from dtrain.commands.export.check import CheckFailed
 from dtrain.commands.export.onnx_file import export_failure, run_session
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
 from dtrain.models import quantize
+from dtrain.models.spec import ModelSpec, spec_of
 from dtrain.process import compat
 
 # The ONNX operators that the schemes quantize: the Linear layers' (MatMul, Gemm), and for
@@ -38,7 +40,17 @@ def quantized_model(model: nn.Module, meta: dict, scheme: str, calibration: list
     """The checkpoint's `model` quantized by `scheme` for inference (a copy; `calibration`: the
     model inputs that static int8 calibrates on). `meta`: the checkpoint's metadata, which says
     how the model was trained (a run trained with fake quantization converts here)."""
+    spec = trained_spec(meta)
+    if spec.qat is not None and spec.qat.scheme is not None:
+        return spec.quantized(model)  # the fake quantization it trained with, made real
     return quantize.quantize(model, scheme, calibration)
+
+
+def trained_spec(meta: dict) -> ModelSpec:
+    """The model spec of the run the checkpoint's metadata comes from, quantization-aware
+    training included."""
+    cfg = config.from_dict(meta["config"])
+    return spec_of(cfg.model, cfg.train.qat)
 
 
 def write_program(model: nn.Module, meta: dict, out: str, example: Any) -> Any:
