@@ -286,6 +286,14 @@ def test_a_quantization_aware_run_exports_what_it_trained(runs, tmp_path):
     converted = spec_of(cfg.model, cfg.train.qat).quantized(plain)
     assert recomputed(run_dir, out, "exported", "val_loss") == pytest.approx(
         recomputed_model(run_dir, converted), abs=1e-5)
+    # dtrain eval evaluates the checkpoint as training did, fake quantization on: exactly.
+    evaluated = dtrain("eval", "--run-dir", str(run_dir), timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads(Path(evaluated.stdout.strip().splitlines()[-1].split(" -> ")[1])
+                        .read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "val_loss" in r][-1]
+    assert result["val_loss"] == trained["val_loss"]
     for args, shown in ((["--format", "exported", "--quantize", "int8-weight"], "int8-weight"),
                         (["--format", "onnx", "--quantize", "int8-dynamic"], "int8-dynamic")):
         line = _refused(run_dir, tmp_path, *args)

@@ -54,6 +54,13 @@ class EvalPieces:
     model: nn.Module  # wrapped for the parallel mode
     precision: Precision
     notes: list[str]
+    spec: ModelSpec  # what kind of model trained (fake quantization from a step on)
+
+    def as_trained_at(self, step: int | None) -> None:
+        """The model as training evaluated it after `step` (with fake quantization on once a
+        quantization-aware run had switched it on)."""
+        if step is not None:
+            self.spec.switch_fake_quantization(parallel.unwrap(self.model), step)
 
 
 def layout_of(cfg: Config, env: Env, device: torch.device | None = None) -> Layout:
@@ -73,14 +80,7 @@ def layout_of(cfg: Config, env: Env, device: torch.device | None = None) -> Layo
 def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     """Data, task and model, wrapped for the parallel mode, and the task tried once on a
     validation batch: a task or model that cannot work ends here, with nothing written."""
-    spec = spec_of(cfg.model, cfg.train.qat)
-    if spec.qat is not None and layout.sharded:
-        raise UserError(
-            "config error: train.qat under parallel.mode fsdp: torchao's fake quantization "
-            "swaps each Linear layer for one of its own, and FSDP's sharded parameters stay "
-            "with the layers it sharded (the new layers would compute with sharded DTensor "
-            "weights); train quantization-aware with parallel.mode ddp or none"
-        )
+    spec = _spec(cfg, layout)
     set_torch_flags(cfg)
     rng.reseed(cfg.run.seed)
     overfit = cfg.train.overfit_batches
@@ -122,6 +122,19 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     )
 
 
+def _spec(cfg: Config, layout: Layout) -> ModelSpec:
+    """The model spec of a run, which fake quantization cannot be on sharded layers."""
+    spec = spec_of(cfg.model, cfg.train.qat)
+    if spec.qat is not None and layout.sharded:
+        raise UserError(
+            "config error: train.qat under parallel.mode fsdp: torchao's fake quantization "
+            "swaps each Linear layer for one of its own, and FSDP's sharded parameters stay "
+            "with the layers it sharded (the new layers would compute with sharded DTensor "
+            "weights); train quantization-aware with parallel.mode ddp or none"
+        )
+    return spec
+
+
 def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalPieces:
     """What `dtrain eval` needs of a run: the validation split alone (a dataset of that split
     only can be evaluated), the task and the model, built and checked as training builds them."""
@@ -139,10 +152,11 @@ def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalP
         workers=workers,
     )
     clock.mark("data")
+    spec = _spec(cfg, layout)  # a quantization-aware run is evaluated as it trained
     task, model, precision, _ = _model_and_task(
-        cfg, layout, spec_of(cfg.model), datasets, val_loader, notes, clock
+        cfg, layout, spec, datasets, val_loader, notes, clock
     )
-    return EvalPieces(datasets, val_loader, val_sampler, task, model, precision, notes)
+    return EvalPieces(datasets, val_loader, val_sampler, task, model, precision, notes, spec)
 
 
 def _model_and_task(

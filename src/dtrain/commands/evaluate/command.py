@@ -177,6 +177,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         pieces = build_eval_pieces(cfg, layout, StartupClock())
         val_loader = pieces.val_loader
         load_weights(pieces.model, chosen, cfg, "eval")
+        pieces.as_trained_at(chosen.step)
         if args.weights == "ema":
             from dtrain.loop import ema
 
