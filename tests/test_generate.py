@@ -22,7 +22,7 @@ from conftest import REPO, child_env, dtrain, latest, launch, torchrun_cmd, with
 from test_chat_data import save_tokenizer, write_jsonl
 
 from dtrain.commands.export.checkpoint_model import load_model
-from dtrain.commands.generate.decode import Sampling, gpt_generate
+from dtrain.loop.decode import Sampling, gpt_generate
 from dtrain.commands.tokenize import command as tokenize
 from dtrain.commands.tokenize.settings import Settings
 from dtrain.data.text import python_docs

@@ -105,6 +105,13 @@ def _eval(p: argparse.ArgumentParser) -> None:
         help="with --profile: where the traces go (default: the run's profile/ folder; for a "
         "run in an object store, ./profile/<run name> on this machine)",
     )
+    p.add_argument(
+        "--tasks",
+        metavar="FILE_OR_DIR[,...]",
+        help="score the model on language-model tasks instead of the validation split: "
+        "lm-eval task files (YAML) with local data, or folders of them (the 'tasks' extra); "
+        "results as task_<name>_<metric>",
+    )
     p.add_argument("--config", help="YAML whose keys go over the run's config.yaml")
     p.add_argument(
         "overrides",

@@ -1,7 +1,8 @@
 """Built-in models (image classifiers and a GPT-style language model), torchvision classifiers by
 name, and users' models by import path; `hf.py` builds Hugging Face models, `lora.py` adds
 low-rank adapters, `spec.py` says what kind of model a run trains, `quantize.py` makes int8
-copies of a model (torchao).
+copies of a model (torchao), `tokenizer.py` reads a language model's tokenizer (the model
+folder's or the token folder's).
 
 Every builder returns a plain nn.Module; `build` seeds the initialisation from `run.seed` so that
 every rank starts from the same weights.

@@ -40,6 +40,7 @@ from dtrain.files.store import MARKER, Store, read_marker
 from dtrain.files.store_protocol import CheckpointStore
 from dtrain.models.spec import spec_of
 from dtrain.parallel import unwrap
+from dtrain.parallel.precision import Precision
 from dtrain.process import dist
 from dtrain.process.env import Env
 from dtrain.process.layout import Layout
@@ -300,6 +301,19 @@ def check_ema(chosen: Chosen, command: str) -> None:
             f"{command} error: {chosen.shown} was saved without EMA weights (train.ema.decay "
             f"unset); use --weights model"
         )
+
+
+def trained_model(
+    cfg: Config, layout: Layout, chosen: Chosen, command: str
+) -> tuple[nn.Module, Precision]:
+    """The run's model as the run's strategy builds it at this world size, from the data's
+    vocabulary and window as the checkpoint recorded them (no data is read), with the
+    checkpoint's weights; in eval mode."""
+    precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
+    strategy = parallel.strategy(cfg.parallel, layout)
+    model, _, _ = strategy.build(cfg.model, saved_info(chosen), cfg.run.seed, precision)
+    load_weights(model, chosen, cfg, command)
+    return model.eval(), precision
 
 
 def saved_info(chosen: Chosen) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from dtrain import data
 from dtrain.commands.evaluate import profiled
+from dtrain.commands.evaluate import tasks as task_eval
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
@@ -126,12 +127,11 @@ def write_result(run_dir: str, name: str, result: dict[str, Any]) -> str:
     return final
 
 
-def _line(chosen: Chosen, metrics: dict[str, float], samples: int, path: str) -> str:
+def _line(chosen: Chosen, metrics: dict[str, float], samples: int | None, path: str) -> str:
+    """`samples`: the validation samples evaluated (None: tasks were scored)."""
     shown = " ".join(f"{k} {v:.6g}" for k, v in metrics.items())
-    return (
-        f"{chosen.name}: {shown} | {samples} validation samples, world size "
-        f"{dist.world_size()} -> {path}"
-    )
+    what = "tasks" if samples is None else f"{samples} validation samples"
+    return f"{chosen.name}: {shown} | {what}, world size {dist.world_size()} -> {path}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +142,11 @@ def main(args: argparse.Namespace) -> int:
     run_dir, overrides = run_dir_and_overrides(args.run, args.overrides, "eval")
     if args.profile_dir is not None and not args.profile:
         raise UserError("usage error: --profile-dir DIR goes with --profile")
+    if args.tasks is not None and args.profile:
+        raise UserError(
+            "usage error: --profile times the validation split's evaluation, not --tasks"
+        )
+    args.task_set = task_eval.task_files(args.tasks) if args.tasks is not None else None
     with tempfile.TemporaryDirectory(prefix="dtrain-eval-") as copies:
         return _evaluate_run(args, run_dir, overrides, copies)
 
@@ -163,12 +168,13 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
     val_loader: Any = None
     profile: profiled.EvalProfile | None = None
     try:
-        # Rank 0 chooses, every rank loads the same one (a running training may save meanwhile).
-        listing = os.path.join(copies, "listing")
+        listing = os.path.join(copies, "listing")  # rank 0 picks for all (a run may save now)
         chosen = dist.on_main(lambda: choose(run_dir, args.checkpoint, cfg, listing, "eval"))
         chosen = fetched(chosen, os.path.join(copies, "checkpoint"), options)
         if args.weights == "ema":
             dist.on_main(lambda: check_ema(chosen, "eval"))
+        if args.task_set is not None:
+            return _score_tasks(args, cfg, layout, chosen, (run_dir, records, options), overrides)
         if args.profile:
             made = dist.on_main(
                 lambda: profiled.trace_folder(run_dir, chosen.name, args.profile_dir)
@@ -228,6 +234,25 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         dist.shutdown()
 
 
+def _score_tasks(
+    args: argparse.Namespace,
+    cfg: Config,
+    layout: Layout,
+    chosen: Chosen,
+    where: tuple[str, str, dict[str, Any]],
+    overrides: list[str],
+) -> int:
+    """--tasks: the checkpoint scored on the tasks; the result kept as any evaluation's.
+    `where`: the run directory, the folder that holds its records here, the store's options."""
+    metrics = task_eval.scored(cfg, layout, chosen, args.task_set, args.weights)
+    if dist.is_main():
+        result = task_eval.result_of(args, chosen, metrics, overrides)
+        path = _keep_result(*where[:2], chosen, result, where[2], metrics, None)
+        print(_line(chosen, metrics, None, path), flush=True)
+    dist.barrier()
+    return 0
+
+
 def _keep_result(
     run_dir: str,
     records: str,
@@ -235,7 +260,7 @@ def _keep_result(
     result: dict[str, Any],
     options: dict[str, Any],
     metrics: dict[str, float],
-    samples: int,
+    samples: int | None,
 ) -> str:
     """`result` in `records/evals/` and, for a run in an object store, uploaded beside its
     checkpoints: where it went. A failure prints the metrics first (they were computed: they

@@ -1,3 +1,2 @@
-"""`dtrain generate`: what a trained run's model says (command.py), decoding with a key/value
-cache, greedy or sampled (decode.py), and the run's tokenizer, chat template and prompts
-(text.py)."""
+"""`dtrain generate`: what a trained run's model says (command.py) and its prompts (text.py);
+decoding is `loop.decode`'s, the run's tokenizer and chat template `models.tokenizer`'s."""

@@ -27,36 +27,34 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from dtrain import parallel
 from dtrain.commands.generate import text
-from dtrain.commands.generate.decode import (
-    Generated,
-    Sampling,
-    gpt_generate,
-    hf_generate,
-    inner_gpt,
-)
-from dtrain.commands.generate.text import COMMAND, RunTokenizer
+from dtrain.commands.generate.text import COMMAND
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.core.urls import is_url
 from dtrain.files import names, remote_copies
+from dtrain.loop.decode import (
+    Generated,
+    Sampling,
+    gpt_generate,
+    hf_generate,
+    is_built_in,
+    window_of,
+)
 from dtrain.models import hf
+from dtrain.models.tokenizer import RunTokenizer, run_tokenizer
 from dtrain.observe import log, setup_logging
-from dtrain.parallel import unwrap
 from dtrain.parallel.precision import Precision
 from dtrain.process import dist
 from dtrain.process import env as env_mod
 from dtrain.process.layout import Layout
 from dtrain.run.trained import (
-    Chosen,
     choose,
     fetched,
     layout_here,
-    load_weights,
     run_config,
     run_dir_and_overrides,
-    saved_info,
+    trained_model,
 )
 
 
@@ -96,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
             remote_copies.fetch_file(run_dir, names.CONFIG, saved, {}, COMMAND)
         cfg = run_config(records, args.config, overrides, args.trust_remote_code, run_dir, COMMAND)
         _check_language_model(cfg)
-        tokenizer = text.run_tokenizer(cfg.data, cfg.model)
+        tokenizer = run_tokenizer(cfg.data, cfg.model, COMMAND)
         cfg, layout = layout_here(cfg, env_mod.detect())
         dist.init(layout, cfg.dist)
         setup_logging(dist.rank(), cfg.log.all_ranks)
@@ -109,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
             chosen = fetched(
                 chosen, os.path.join(copies, "checkpoint"), dict(cfg.run.storage_options)
             )
-            model, precision = _loaded_model(cfg, layout, chosen)
+            model, precision = trained_model(cfg, layout, chosen, COMMAND)
             replier = Replier(model, tokenizer, sampling, layout, precision)
             # Every prompt is checked before any is answered.
             encoded = [replier.encoded(p) for p in prompts] if prompts is not None else []
@@ -143,16 +141,6 @@ def _check_language_model(cfg: Config) -> None:
     )
 
 
-def _loaded_model(cfg: Config, layout: Layout, chosen: Chosen) -> tuple[nn.Module, Precision]:
-    """The run's model as the run's strategy builds it at this world size, from the data's
-    vocabulary and window as the checkpoint recorded them, with the checkpoint's weights."""
-    precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
-    strategy = parallel.strategy(cfg.parallel, layout)
-    model, _, _ = strategy.build(cfg.model, saved_info(chosen), cfg.run.seed, precision)
-    load_weights(model, chosen, cfg, COMMAND)
-    return model.eval(), precision
-
-
 class Replier:
     """The loaded model and the run's tokenizer: a prompt's ids (checked against the model's
     window), and what the model says after them."""
@@ -168,16 +156,7 @@ class Replier:
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.device, self.precision = layout.device, precision
         self.seconds, self.tokens = 0.0, 0
-        self.built_in = not hasattr(unwrap(model), "generate")
-        if self.built_in:
-            self.window = inner_gpt(model).seq_len
-        else:
-            config = unwrap(model).config
-            self.window = int(
-                getattr(config, "max_position_embeddings", None)
-                or getattr(config, "n_positions", None)
-                or 1 << 30
-            )
+        self.built_in, self.window = is_built_in(model), window_of(model)
 
     def encoded(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)

@@ -1,6 +1,6 @@
-"""Decoding for `dtrain generate`: the next token, greedy or sampled (temperature, top-k,
-top-p, from a generator seeded per prompt), until a stop token, the number of new tokens asked
-for or the end of the model's window.
+"""Decoding for `dtrain generate` and the task evaluation's generation: the next token, greedy
+or sampled (temperature, top-k, top-p, from a generator seeded per prompt), until a stop token,
+the number of new tokens asked for or the end of the model's window.
 
 The built-in GPT decodes here with its own key/value cache (or, to check it, without one:
 the whole sequence again at every step); a Hugging Face model decodes by its own `generate`,
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dtrain.models import GPT
+from dtrain.parallel import unwrap
 from dtrain.process import dist
 from dtrain.tasks import logits_of
 
@@ -105,6 +106,23 @@ def gpt_generate(
         tokens.append(token)
         new.append(token)
         pending = [token]
+
+
+def is_built_in(model: nn.Module) -> bool:
+    """Whether `model` is the built-in GPT (decoded here), not a Hugging Face model."""
+    return not hasattr(unwrap(model), "generate")
+
+
+def window_of(model: nn.Module) -> int:
+    """The model's context in tokens: the built-in GPT's, or a Hugging Face model's positions."""
+    if is_built_in(model):
+        return inner_gpt(model).seq_len
+    config = unwrap(model).config
+    return int(
+        getattr(config, "max_position_embeddings", None)
+        or getattr(config, "n_positions", None)
+        or 1 << 30
+    )
 
 
 def inner_gpt(model: nn.Module) -> GPT:

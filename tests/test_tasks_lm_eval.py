@@ -1,0 +1,166 @@
+"""`dtrain eval --tasks`: a checkpoint scored on language-model tasks in lm-eval's format, through
+dtrain's own model for the harness. A tiny `hf:` Llama trained a few steps on token data; a
+local multiple-choice task (a dozen questions, scored by log-likelihood) and a generation task
+(exact match). The numbers equal lm-eval's own on the folder `dtrain export --format hf` writes,
+metric for metric, in one process and under FSDP on 2 ranks; bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import REPO, child_env, dtrain, launch, torchrun_cmd, without_module
+from test_chat_data import save_tokenizer, write_jsonl
+
+from dtrain.commands.tokenize import command as tokenize
+from dtrain.commands.tokenize.settings import Settings
+from dtrain.data.text import python_docs
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:UserWarning")
+
+SEQ = 64
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=SEQ)
+LM = ["task.name=language_model", "model.args={}", "data.name=tokens", "optim.name=adamw",
+      "optim.weight_decay=0.0", "sched.name=none", "ckpt.monitor=val_loss",
+      "ckpt.monitor_mode=min", "train.eval_every_epochs=0", f"data.tokens.seq_len={SEQ}"]
+WORDS = ["the module", "a function", "the import statement", "a class", "the loop", "a string",
+         "the list", "a dictionary", "the file", "an exception", "the value", "a method"]
+MC_TASK = """\
+task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+GEN_TASK = """\
+task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+REFERENCE = """\
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+out = lm_eval.simple_evaluate(model="hf", model_args="pretrained=" + sys.argv[1] + ",dtype=float32",
+                              tasks=["tiny_mc", "tiny_gen"], device="cpu", batch_size=1,
+                              task_manager=TaskManager(include_path=".", include_defaults=False),
+                              bootstrap_iters=0, log_samples=False)
+print(json.dumps(out["results"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tasks")
+    model = save_tokenizer(root / "model", template=None)
+    own = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **LLAMA, vocab_size=len(own), eos_token_id=own.eos_token_id)).save_pretrained(model)
+    corpus = root / "corpus.txt"
+    corpus.write_text(python_docs()[:40_000].decode())
+    tokenize.tokenize(Settings([str(corpus)], str(root / "plain"), tokenizer_path=str(model)),
+                      io.StringIO())
+    trained = launch(root / "runs" / "hf", [
+        *LM, f"model.name=hf:{model}", f"data.root={root / 'plain'}", "data.batch_size=4",
+        "train.max_steps=20", "optim.lr=0.01", "ckpt.format=full"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.yaml").write_text(MC_TASK)
+    (tasks / "gen.yaml").write_text(GEN_TASK)
+    write_jsonl(tasks / "mc.jsonl", [
+        {"question": f"Question {i}: what does Python call {w}?",
+         "choices": [f" {w}", f" {WORDS[(i + 3) % 12]}", " zq xv", f" {WORDS[(i + 7) % 12]}"],
+         "answer": i % 4} for i, w in enumerate(WORDS)])
+    write_jsonl(tasks / "gen.jsonl", [
+        {"prompt": f"In Python, {w} is", "answer": " the"} for w in WORDS[:6]])
+    return {"root": root, "run": trained.run_dir, "tasks": tasks}
+
+
+def scores(result: subprocess.CompletedProcess, run_dir: Path) -> dict[str, float]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = sorted((run_dir / "evals").glob("*.json"), key=lambda p: p.stat().st_mtime)[-1]
+    return {k: v for k, v in json.loads(saved.read_text()).items() if k.startswith("task_")}
+
+
+def lm_eval_on_the_exported_folder(run, tmp_path) -> dict[str, float]:
+    out = tmp_path / "exported"
+    exported = dtrain("export", "--run-dir", str(run["run"]), "--format", "hf", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(out)], cwd=run["tasks"],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {f"task_{task}_{key.split(',')[0]}": float(v) for task, row in results.items()
+            for key, v in row.items() if key.endswith(",none") and "_stderr" not in key}
+
+
+def test_the_adapter_scores_what_lm_evals_hf_model_scores_on_the_exported_folder(run, tmp_path):
+    ours = scores(dtrain("eval", "--run-dir", str(run["run"]), "--tasks", str(run["tasks"]),
+                         timeout=300), run["run"])
+    assert set(ours) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match"}
+    assert ours == lm_eval_on_the_exported_folder(run, tmp_path)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_scores_what_one_process_scores(run):
+    files = f"{run['tasks'] / 'mc.yaml'},{run['tasks'] / 'gen.yaml'}"
+    one = scores(dtrain("eval", "--run-dir", str(run["run"]), "--tasks", files, timeout=300),
+                 run["run"])
+    two = subprocess.run([*torchrun_cmd(2), "-m", "dtrain", "eval", "--run-dir", str(run["run"]),
+                          "--tasks", files, "parallel.mode=fsdp"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert "world size 2" in two.stdout, two.stderr[-3000:]
+    assert scores(two, run["run"]) == pytest.approx(one, abs=1e-9)
+
+
+def test_bad_input_is_one_line_and_exit_2(run, tmp_path) -> None:
+    not_a_task = tmp_path / "notes.yaml"
+    not_a_task.write_text("title: my notes\n")
+    hub = tmp_path / "hub.yaml"
+    hub.write_text(textwrap.dedent(MC_TASK).replace("dataset_path: json", "dataset_path: cais/mmlu"))
+    cases = [
+        ([str(not_a_task)], None,
+         f"eval error: --tasks {not_a_task} is not a task file: lm-eval's task config names its "
+         f"`task` and `output_type` (multiple_choice, generate_until, loglikelihood, ...)"),
+        ([str(hub)], None,
+         f"eval error: --tasks {hub}: task tiny_mc: dataset_path cais/mmlu is not a local file's "
+         f"reader; nothing is downloaded: use dataset_path: json (or csv, parquet, text, arrow) "
+         f"with dataset_kwargs.data_files"),
+        ([str(run["tasks"])], without_module(tmp_path / "no_lm_eval", "lm_eval"),
+         "missing dependency: --tasks (lm-eval tasks) needs the 'tasks' extra: pip install "
+         "'dtrain[tasks]'"),
+    ]
+    for tasks, env, line in cases:
+        result = dtrain("eval", "--run-dir", str(run["run"]), "--tasks", *tasks, env=env)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines()[-1] == f"dtrain: {line}"
