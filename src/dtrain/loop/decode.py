@@ -154,8 +154,8 @@ def hf_generate(
         )
         torch.manual_seed(sampling.seed)
     prompt = torch.tensor([ids], device=device)
-    with torch.no_grad():
-        out = model.generate(  # type: ignore[operator]
+    with torch.no_grad():  # (inside DDP's wrapper: FSDP2 shards the module in place)
+        out = unwrap(model).generate(  # type: ignore[operator]
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=limit,

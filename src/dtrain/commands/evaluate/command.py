@@ -182,14 +182,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
             profile = profiled.EvalProfile(profiled.joined(made), dist.rank(), layout.device)
         pieces = build_eval_pieces(cfg, layout, StartupClock())
         val_loader = pieces.val_loader
-        load_weights(pieces.model, chosen, cfg, "eval")
-        pieces.as_trained_at(chosen.step)
-        if args.weights == "ema":
-            from dtrain.loop import ema
-
-            # The checkpoint's buffers (BatchNorm statistics) stay: training evaluates its
-            # average with the model's own, as here.
-            ema.load_ema_into(pieces.model, chosen.folder)
+        _load(pieces, chosen, cfg, args.weights)
         samples = len(pieces.datasets.val)
         log.info(
             f"evaluating {chosen.shown} (step {chosen.step}, {chosen.fmt}, saved at world size "
@@ -232,6 +225,19 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
             profile.close()
         data.close_loader(val_loader)
         dist.shutdown()
+
+
+def _load(pieces: EvalPieces, chosen: Chosen, cfg: Config, weights: str) -> None:
+    """The checkpoint's weights (`weights`: model or ema) into the model, which is then as
+    training evaluated it at the checkpoint's step."""
+    load_weights(pieces.model, chosen, cfg, "eval")
+    pieces.as_trained_at(chosen.step)
+    if weights == "ema":
+        from dtrain.loop import ema
+
+        # The checkpoint's buffers (BatchNorm statistics) stay: training evaluates its
+        # average with the model's own, as here.
+        ema.load_ema_into(pieces.model, chosen.folder)
 
 
 def _score_tasks(
