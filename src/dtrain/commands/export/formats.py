@@ -151,48 +151,45 @@ class ExportFormat:
         raise NotImplementedError
 
 
-class StateDict(ExportFormat):
+class TorchFile(ExportFormat):
+    """A file that torch writes and reads back itself: `writer` and `reloader` name its two
+    functions in torch_files.py (imported only when it runs: this registry imports no torch)."""
+
+    writer = reloader = ""
+
+    def write(self, job: Job, out: str) -> Any:
+        from dtrain.commands.export import torch_files
+
+        return getattr(torch_files, self.writer)(job.model, job.meta, out, self.name)
+
+    def read_back(self, job: Job, out: str, written: Any) -> tuple[float, str]:
+        from dtrain.commands.export import torch_files
+
+        reload = getattr(torch_files, self.reloader)
+        return torch_files.read_back(
+            job.model, job.meta, job.shown, out, self.name, written, reload
+        )
+
+
+class StateDict(TorchFile):
     """Plain tensors by parameter name (torch.save)."""
 
     name = "state_dict"
-
-    def write(self, job: Job, out: str) -> Any:
-        from dtrain.commands.export import torch_files
-
-        return torch_files.write_state_dict(job.model, job.meta, out)
-
-    def read_back(self, job: Job, out: str, written: Any) -> tuple[float, str]:
-        from dtrain.commands.export import torch_files
-
-        reload = torch_files.reload_state_dict
-        return torch_files.read_back(
-            job.model, job.meta, job.shown, out, self.name, written, reload
-        )
+    writer, reloader = "write_state_dict", "reload_state_dict"
 
 
-class TorchScript(ExportFormat):
+class TorchScript(TorchFile):
     """The model traced by torch.jit.trace on the task's example input."""
 
     name = "torchscript"
-
-    def write(self, job: Job, out: str) -> Any:
-        from dtrain.commands.export import torch_files
-
-        return torch_files.write_torchscript(job.model, job.meta, out, self.name)
-
-    def read_back(self, job: Job, out: str, written: Any) -> tuple[float, str]:
-        from dtrain.commands.export import torch_files
-
-        reload = torch_files.reload_torchscript
-        return torch_files.read_back(
-            job.model, job.meta, job.shown, out, self.name, written, reload
-        )
+    writer, reloader = "write_torchscript", "reload_torchscript"
 
 
-class Exported(ExportFormat):
+class Exported(TorchFile):
     """The model's program by torch.export on the task's example input."""
 
     name = "exported"
+    writer, reloader = "write_exported", "reload_exported"
     quantizes = ("int8-dynamic", "int8-weight", "int8-static", "int4-weight")
 
     def write_plain(self, job: Job, out: str, example: Any) -> Any:
@@ -212,19 +209,6 @@ class Exported(ExportFormat):
         from dtrain.commands.export import quantized_files
 
         return quantized_files.Program(out)
-
-    def write(self, job: Job, out: str) -> Any:
-        from dtrain.commands.export import torch_files
-
-        return torch_files.write_exported(job.model, job.meta, out, self.name)
-
-    def read_back(self, job: Job, out: str, written: Any) -> tuple[float, str]:
-        from dtrain.commands.export import torch_files
-
-        reload = torch_files.reload_exported
-        return torch_files.read_back(
-            job.model, job.meta, job.shown, out, self.name, written, reload
-        )
 
 
 class Onnx(ExportFormat):

@@ -38,7 +38,7 @@ def _traced_input(meta: dict, fmt: str) -> Any:
     return inputs
 
 
-def write_state_dict(model: nn.Module, meta: dict, out: str) -> Any:
+def write_state_dict(model: nn.Module, meta: dict, out: str, fmt: str) -> Any:
     """The tensors by name; returns the input the check runs (None: the task has none)."""
     inputs = example_input(meta)
     with _quiet():
