@@ -5,6 +5,7 @@ beside the drop after post-training quantization, whatever it shows."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import final_weights, launch
+from conftest import dtrain, final_weights, launch
 from dtrain import config, models
 from dtrain.config import ModelConfig, QatConfig
 from dtrain.core.errors import UserError
@@ -121,6 +122,90 @@ def test_a_qat_run_resumes_on_another_world_size(resumed_runs) -> None:
     assert "world size changed from 2 to 1" in run.stderr, run.stderr[-3000:]
     assert "step 4: fake quantization on from here" in run.stderr
     assert max(run.losses()) == 6
+
+
+# -- under FSDP: prepared before sharding, the sharded run trains what DDP's does ----------------
+
+GPT_RUN = ["task.name=language_model", "model.name=gpt",
+           "model.args={dim: 32, depth: 2, heads: 2, seq_len: 32}", "data.name=text",
+           "data.text.corpus=python_docs", "data.batch_size=8", "ckpt.monitor=val_loss",
+           "ckpt.monitor_mode=min"]
+FSDP = [*GPT_RUN, *RESUME, "parallel.mode=fsdp"]
+
+
+def test_fake_quantization_prepared_shard_by_shard_is_the_whole_models(monkeypatch) -> None:
+    """Prepared within FSDP's shard-by-shard construction, the swapped layers draw the same
+    random numbers as on the whole model and keep its values and ties; a preparation that
+    unties a parameter is refused (the whole-model build follows)."""
+    from dtrain.parallel import sharded_init
+
+    monkeypatch.setattr(sharded_init, "FULL_BYTES", 1000)  # the tiny GPT's matrices in rows
+    spec = spec_of(ModelConfig(name="gpt", args=GPT_ARGS), QAT)
+    torch.manual_seed(5)
+    whole = gpt()
+    spec.fake_quantize(whole)
+    after = torch.rand(3)
+    for index in (0, 1):
+        torch.manual_seed(5)
+        model, params, _ = sharded_init.build_local(gpt, 2, index, prepare=spec.fake_quantize)
+        assert torch.equal(torch.rand(3), after)  # the same random stream from here on
+        assert len(quantize.fake_quantized_layers(model)) == 9
+        assert model.head.weight is model.tok_emb.weight
+        for name, param in whole.named_parameters(remove_duplicate=False):
+            got = params[name]
+            if isinstance(got, sharded_init.Rows):
+                got, param = got.local, param[got.start:got.stop]
+            assert torch.equal(got, param.detach()), name
+
+    def untie(model: nn.Module) -> None:
+        model.head = nn.Linear(GPT_ARGS["dim"], GPT_ARGS["vocab_size"], bias=False)
+
+    with pytest.raises(sharded_init.NotReplayable, match="untied its tied parameters"):
+        sharded_init.build_local(gpt, 2, 0, prepare=untie)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict:
+    """The tiny GPT, 2 ranks, 10 steps fake-quantized after 4: under FSDP (sharded checkpoints)
+    straight, and stopped after 2 and 6 steps and resumed each time; under DDP straight; and
+    `dtrain eval` of the straight FSDP run."""
+    root = tmp_path_factory.mktemp("qat_fsdp") / "runs"
+    runs = {"ddp": launch(root / "ddp", [*GPT_RUN, *RESUME, "train.max_steps=10"], nproc=2),
+            "straight": launch(root / "straight", [*FSDP, "train.max_steps=10"], nproc=2)}
+    for steps in (2, 6, 10):
+        runs[f"to_{steps}"] = launch(root / "parts", [*FSDP, f"train.max_steps={steps}"], nproc=2)
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+    runs["eval"] = dtrain("eval", "--run", str(root / "straight"), timeout=300)
+    assert runs["eval"].returncode == 0, runs["eval"].stderr[-3000:]
+    return runs
+
+
+@pytest.mark.slow
+def test_an_fsdp_qat_run_resumes_bit_exactly_and_trains_as_ddp_does(fsdp_runs) -> None:
+    straight, last = fsdp_runs["straight"], fsdp_runs["to_10"]
+    assert "Linear layer(s) fake-quantized after 4 step(s) in float" in straight.stderr
+    assert "step 4: fake quantization on from here" in fsdp_runs["to_6"].stderr
+    resumed = {**fsdp_runs["to_2"].losses(), **fsdp_runs["to_6"].losses(), **last.losses()}
+    assert resumed == straight.losses()  # bitwise, every step
+    # FSDP reduce-scatters the gradients where DDP all-reduces them, but over 2 ranks each sum
+    # has two terms (no order to differ) and averaging halves exactly: the same run, bit for
+    # bit (more ranks would round their sums in another order, and need a tolerance).
+    assert straight.losses() == fsdp_runs["ddp"].losses()
+    sharded, whole = final_weights(straight.run_dir), final_weights(fsdp_runs["ddp"].run_dir)
+    resumed_weights = final_weights(last.run_dir)
+    assert sharded.keys() == whole.keys()  # the plain model's keys
+    for name in sharded:
+        assert torch.equal(sharded[name], resumed_weights[name]), name
+        assert torch.equal(sharded[name], whole[name]), name
+
+
+@pytest.mark.slow
+def test_dtrain_eval_of_an_fsdp_qat_run_equals_its_final_evaluation(fsdp_runs) -> None:
+    result = json.loads(Path(fsdp_runs["eval"].stdout.strip().splitlines()[-1].split(" -> ")[1])
+                        .read_text())
+    trained = [r for r in fsdp_runs["straight"].records() if "val_loss" in r][-1]
+    assert result["val_loss"] == trained["val_loss"]
 
 
 # -- QAT against PTQ, the same run length -------------------------------------------------------

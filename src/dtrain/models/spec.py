@@ -61,8 +61,9 @@ class ModelSpec:
         return {k: base for k in names if (base := lora.base_name(k)) is not None}
 
     def fake_quantize(self, model: nn.Module) -> None:
-        """Prepare `model` (the user's module, unwrapped, not sharded) for quantization-aware
-        training, its fake quantization off until `fake_quantizes_at` says it is on."""
+        """Prepare `model` (the user's module, before it is wrapped or sharded: a strategy's
+        `prepare`) for quantization-aware training, its fake quantization off until
+        `fake_quantizes_at` says it is on. Its parameters keep their names and ties."""
         if self.qat is not None and self.qat.scheme is not None:
             quantize.prepare_qat(model, self.qat.scheme)
             quantize.fake_quantization(model, on=False)

@@ -259,16 +259,28 @@ class _Construction(TorchDispatchMode):
 
 
 def build_local(
-    build: Callable[[], nn.Module], shards: int, index: int, values: bool = True
+    build: Callable[[], nn.Module],
+    shards: int,
+    index: int,
+    values: bool = True,
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
-    """Run `build` with large tensors holding only the rows of shard `index` of `shards`. Returns
-    the model with meta tensors in place of its parameters and buffers (ready for fully_shard),
-    and the values kept for them by name. Without `values` (the weights are read afterwards,
-    into the shards: `materialize`), large tensors keep no rows either. Raises NotReplayable (for
-    any failure: the eager build that follows raises the constructor's own errors)."""
+    """Run `build`, then `prepare` on the model it built (layers swapped: their new tensors are
+    made the same way), with large tensors holding only the rows of shard `index` of `shards`.
+    Returns the model with meta tensors in place of its parameters and buffers (ready for
+    fully_shard), and the values kept for them by name. Without `values` (the weights are read
+    afterwards, into the shards: `materialize`), large tensors keep no rows either. Raises
+    NotReplayable (for any failure: the eager build that follows raises the constructor's own
+    errors; and where `prepare` left a tied parameter untied, as a layer swapped on a tensor
+    without values may)."""
     try:
         with _Construction(shards, index, values):
             model = build()
+            if prepare is not None:
+                ties = _ties(model)
+                prepare(model)
+                if _ties(model) != ties:
+                    raise NotReplayable("preparing the model untied its tied parameters")
     except NotReplayable:
         raise
     except Exception as e:  # noqa: BLE001 - see the docstring
@@ -283,6 +295,14 @@ def build_local(
         )
     to_meta(model)
     return model, params, buffers
+
+
+def _ties(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(same for same in names.values() if len(same) > 1)
 
 
 class WeightReader(Protocol):

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -46,6 +47,11 @@ from dtrain.process.layout import Layout, Mesh
 # Entered at every step where gradient sync is not switched: one context that does nothing,
 # made once (a nullcontext keeps no state).
 NOTHING = contextlib.nullcontext()
+
+# What changes a model's layers, not its values, before it is distributed (e.g. swapping layers
+# for ones that compute differently): the wrappers then hold the layers it made. It may see
+# tensors without values (a shard-by-shard construction), and must keep parameters' names.
+Prepare = Callable[[nn.Module], object]
 
 
 @dataclass(frozen=True)
@@ -87,19 +93,31 @@ class Strategy:
 
     # -- building ------------------------------------------------------------------------------
     def build(
-        self, model_cfg: ModelConfig, info: dict[str, Any], seed: int, precision: Precision
+        self,
+        model_cfg: ModelConfig,
+        info: dict[str, Any],
+        seed: int,
+        precision: Precision,
+        prepare: Prepare | None = None,
     ) -> tuple[nn.Module, int, list[str]]:
-        """The model for the run, wrapped; its number of parameters; notes for the banner on
-        how it was built."""
-        model = self._construct(model_cfg, info, seed, Weights.LOAD)
+        """The model for the run, changed by `prepare` before it is distributed, and wrapped;
+        its number of parameters; notes for the banner on how it was built."""
+        model = self._construct(model_cfg, info, seed, Weights.LOAD, prepare)
         return self.wrap(model, model_cfg, precision), _count(model), []
 
     def _construct(
-        self, model_cfg: ModelConfig, info: dict[str, Any], seed: int, weights: Weights
+        self,
+        model_cfg: ModelConfig,
+        info: dict[str, Any],
+        seed: int,
+        weights: Weights,
+        prepare: Prepare | None,
     ) -> nn.Module:
         model = models.build(model_cfg, info, seed, weights)
         if self.cfg.sync_batchnorm and self.layout.distributed:
             model = convert_sync_batchnorm(model, self.layout.device)
+        if prepare is not None:
+            prepare(model)
         return model
 
     def wrap(
@@ -232,13 +250,18 @@ class FSDP(Strategy):
         )
 
     def build(
-        self, model_cfg: ModelConfig, info: dict[str, Any], seed: int, precision: Precision
+        self,
+        model_cfg: ModelConfig,
+        info: dict[str, Any],
+        seed: int,
+        precision: Precision,
+        prepare: Prepare | None = None,
     ) -> tuple[nn.Module, int, list[str]]:
-        """Each rank builds only its own shard (`sharded_init`): the model's constructor runs
-        with large tensors holding this rank's rows, the model is sharded on the meta device,
-        and the kept values (or an `hf:` folder's rows, read by each rank for its own shards)
-        fill the shards. A model whose construction cannot be replayed that way is built whole
-        on every rank and then sharded, with a warning saying why."""
+        """Each rank builds only its own shard (`sharded_init`): the model's constructor (and
+        `prepare`) runs with large tensors holding this rank's rows, the model is sharded on the
+        meta device, and the kept values (or an `hf:` folder's rows, read by each rank for its
+        own shards) fill the shards. A model whose construction cannot be replayed that way is
+        built whole on every rank and then sharded, with a warning saying why."""
         memory_note = host_memory.return_freed_memory()
         notes = [memory_note] if memory_note else []
         weight_files = hf.late_weights(model_cfg, info)
@@ -246,17 +269,18 @@ class FSDP(Strategy):
         layout = self.layout
         try:
             model, params, buffers = sharded_init.build_local(
-                lambda: self._construct(model_cfg, info, seed, weights),
+                lambda: self._construct(model_cfg, info, seed, weights, None),
                 layout.shards,
                 layout.shard_index,
                 values=weight_files is None,
+                prepare=prepare,
             )
         except sharded_init.NotReplayable as e:
             log.warning(
                 f"model {model_cfg.name}: its construction cannot be replayed shard by shard "
                 f"({e}); building it whole on every rank, then sharding it"
             )
-            model = self._construct(model_cfg, info, seed, Weights.LOAD)
+            model = self._construct(model_cfg, info, seed, Weights.LOAD, prepare)
             count = _count(model)
             wrapped = self.wrap(model, model_cfg, precision, notes=notes)
             return wrapped, count, [f"model built whole on every rank, then sharded ({e})", *notes]

@@ -80,7 +80,7 @@ def layout_of(cfg: Config, env: Env, device: torch.device | None = None) -> Layo
 def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     """Data, task and model, wrapped for the parallel mode, and the task tried once on a
     validation batch: a task or model that cannot work ends here, with nothing written."""
-    spec = _spec(cfg, layout)
+    spec = spec_of(cfg.model, cfg.train.qat)
     set_torch_flags(cfg)
     rng.reseed(cfg.run.seed)
     overfit = cfg.train.overfit_batches
@@ -122,19 +122,6 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
     )
 
 
-def _spec(cfg: Config, layout: Layout) -> ModelSpec:
-    """The model spec of a run, which fake quantization cannot be on sharded layers."""
-    spec = spec_of(cfg.model, cfg.train.qat)
-    if spec.qat is not None and layout.sharded:
-        raise UserError(
-            "config error: train.qat under parallel.mode fsdp: torchao's fake quantization "
-            "swaps each Linear layer for one of its own, and FSDP's sharded parameters stay "
-            "with the layers it sharded (the new layers would compute with sharded DTensor "
-            "weights); train quantization-aware with parallel.mode ddp or none"
-        )
-    return spec
-
-
 def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalPieces:
     """What `dtrain eval` needs of a run: the validation split alone (a dataset of that split
     only can be evaluated), the task and the model, built and checked as training builds them."""
@@ -152,7 +139,7 @@ def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalP
         workers=workers,
     )
     clock.mark("data")
-    spec = _spec(cfg, layout)  # a quantization-aware run is evaluated as it trained
+    spec = spec_of(cfg.model, cfg.train.qat)  # a quantization-aware run: evaluated as trained
     task, model, precision, _ = _model_and_task(
         cfg, layout, spec, datasets, val_loader, notes, clock
     )
@@ -174,13 +161,12 @@ def _model_and_task(
     task = tasks.build(cfg.task, datasets.info)
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
     strategy = parallel.strategy(cfg.parallel, layout)
+    # Fake quantization swaps layers before DDP or FSDP wraps them: the wrappers hold the
+    # parameters of the layers that compute.
     wrapped, num_params, model_notes = strategy.build(
-        cfg.model, datasets.info, cfg.run.seed, precision
+        cfg.model, datasets.info, cfg.run.seed, precision, prepare=spec.fake_quantize
     )
     notes += model_notes
-    # Inside DDP's wrapper: the layers that fake quantization swaps in keep their parameters,
-    # which DDP and the optimizer hold.
-    spec.fake_quantize(parallel.unwrap(wrapped))
     described = spec.describe(wrapped)
     if described:
         notes.append(described)
