@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,8 +151,10 @@ def measure(work: Path, rounds: int = ROUNDS) -> list[common.Figure]:
 
     def lm_eval_side(_: int) -> float:
         started = time.perf_counter()
-        proc = common.run([sys.executable, "-c", REFERENCE, str(out), str(tasks), str(BATCH)],
-                          timeout=1200)
+        # (lm-eval reads a task's data files from the working directory)
+        proc = subprocess.run([sys.executable, "-c", REFERENCE, str(out), str(tasks), str(BATCH)],
+                              cwd=tasks, env=common.env(), text=True, capture_output=True,
+                              timeout=1200, check=True)
         seconds = time.perf_counter() - started
         results = json.loads(proc.stdout.strip().splitlines()[-1])
         theirs.append({f"task_{task}_{key.split(',')[0]}": float(v)
