@@ -2,7 +2,9 @@
 dtrain's own model for the harness. A tiny `hf:` Llama trained a few steps on token data; a
 local multiple-choice task (a dozen questions, scored by log-likelihood) and a generation task
 (exact match). The numbers equal lm-eval's own on the folder `dtrain export --format hf` writes,
-metric for metric, in one process and under FSDP on 2 ranks; bad input is one line, exit 2."""
+metric for metric, in one process and under FSDP on 2 ranks; bad input is one line, exit 2.
+A run with `train.eval_tasks` records the same numbers at each evaluation and keeps the best
+checkpoint by one."""
 
 from __future__ import annotations
 
