@@ -33,6 +33,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(quantize_speed.run)
     import generate_speed  # run on its own: dtrain generate against transformers' generate
     assert callable(generate_speed.measure)
+    import task_eval_cost  # run on its own: dtrain eval --tasks against lm-eval on the export
+    assert callable(task_eval_cost.measure)
 
 
 def test_checkpoint_benchmark_runs(tmp_path) -> None:

@@ -2,7 +2,9 @@
 dtrain's own model for the harness. A tiny `hf:` Llama trained a few steps on token data; a
 local multiple-choice task (a dozen questions, scored by log-likelihood) and a generation task
 (exact match). The numbers equal lm-eval's own on the folder `dtrain export --format hf` writes,
-metric for metric, in one process and under FSDP on 2 ranks; bad input is one line, exit 2."""
+metric for metric, in one process and under FSDP on 2 ranks; bad input is one line, exit 2.
+A run with `train.eval_tasks` records the same numbers at each evaluation and keeps the best
+checkpoint by one."""
 
 from __future__ import annotations
 
@@ -164,3 +166,67 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path) -> None:
         result = dtrain("eval", "--run-dir", str(run["run"]), "--tasks", *tasks, env=env)
         assert result.returncode == 2, result.stderr[-3000:]
         assert result.stderr.strip().splitlines()[-1] == f"dtrain: {line}"
+
+
+def evaluations(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "val_loss" in r]
+
+
+def test_a_run_scores_its_tasks_at_each_evaluation_and_keeps_the_best_by_one(run, tmp_path):
+    """train.eval_tasks: each evaluation's record holds the task metrics that `dtrain eval
+    --tasks` gives on the checkpoint of its step, exactly; ckpt.monitor on a task metric picks
+    `best`; a resume that changes the tasks (no training key) still scores them."""
+    model = run["root"] / "model"
+    scored = launch(tmp_path / "runs" / "scored", [
+        *LM, f"model.name=hf:{model}", f"data.root={run['root'] / 'plain'}", "data.batch_size=4",
+        "train.max_steps=20", "optim.lr=0.01", "ckpt.format=full", "train.eval_every_steps=5",
+        "ckpt.every_steps=5", "ckpt.keep_last=4", f"train.eval_tasks=[{run['tasks']}]",
+        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max"], timeout=600)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    records = evaluations(scored.run_dir)
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    tasks = [{k: v for k, v in r.items() if k.startswith("task_")} for r in records]
+    assert all(set(t) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm",
+                          "task_tiny_gen_exact_match"} for t in tasks)
+    best = max(records, key=lambda r: (r["task_tiny_mc_acc"], -r["step"]))  # first of equals
+    for pick, expected in (("latest", tasks[-1]), ("best", tasks[records.index(best)])):
+        again = dtrain("eval", "--run-dir", str(scored.run_dir), "--checkpoint", pick,
+                       "--tasks", str(run["tasks"]), timeout=300)
+        assert scores(again, scored.run_dir) == expected, pick
+        saved = sorted((scored.run_dir / "evals").glob("*.json"), key=lambda p: p.stat().st_mtime)
+        assert json.loads(saved[-1].read_text())["step"] == (20 if pick == "latest" else best["step"])
+    resumed = launch(tmp_path / "runs" / "scored", [
+        *LM, f"model.name=hf:{model}", f"data.root={run['root'] / 'plain'}", "data.batch_size=4",
+        "train.max_steps=25", "optim.lr=0.01", "ckpt.format=full", "train.eval_every_steps=5",
+        "ckpt.every_steps=5", "ckpt.keep_last=4", f"train.eval_tasks=[{run['tasks'] / 'mc.yaml'}]",
+        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max"], timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    last = evaluations(scored.run_dir)[-1]
+    assert last["step"] == 25 and "task_tiny_mc_acc" in last and "task_tiny_gen_exact_match" not in last
+
+
+def test_bad_eval_tasks_are_one_line_and_exit_2(run, tmp_path) -> None:
+    not_a_task = tmp_path / "notes.yaml"
+    not_a_task.write_text("title: my notes\n")
+    lm = [*LM, f"model.name=hf:{run['root'] / 'model'}", f"data.root={run['root'] / 'plain'}"]
+    cases = [
+        ([*lm, f"train.eval_tasks=[{not_a_task}]"],
+         f"config error: train.eval_tasks {not_a_task} is not a task file: lm-eval's task config "
+         f"names its `task` and `output_type` (multiple_choice, generate_until, loglikelihood, ...)"),
+        ([*lm, "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max"],
+         "config error: ckpt.monitor: 'task_tiny_mc_acc' is a task's metric but train.eval_tasks "
+         "names no task; add the task's file to train.eval_tasks"),
+        ([*lm, f"train.eval_tasks=[{run['tasks'] / 'gen.yaml'}]", "ckpt.monitor=task_tiny_mc_acc"],
+         "config error: ckpt.monitor: 'task_tiny_mc_acc' is no metric of the tasks of "
+         "train.eval_tasks (tiny_gen); theirs are task_<name>_<metric>"),
+        ([f"train.eval_tasks=[{run['tasks']}]"],  # images: no tokenizer
+         "config error: train.eval_tasks: the run has no tokenizer: its model (simple_cnn) has no "
+         "folder with one and its data (data.name synthetic) is not a token folder with a "
+         "tokenizer.json (dtrain tokenize writes one)"),
+    ]
+    for overrides, line in cases:
+        result = launch(tmp_path / "runs" / "bad", overrides)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines()[-1] == f"dtrain: {line}"
+        assert not (tmp_path / "runs").exists()

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import TaskConfig, registry
+from dtrain.config.checks import TASK_METRIC
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import load_callable
 from dtrain.files.names import MASK_COUNTED, MASK_STARTS
@@ -363,8 +364,9 @@ def batch_size(batch: Any) -> int:
 
 def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
     """Try the task once on a batch (evaluation mode, no gradients: nothing changes): the loss
-    must be a scalar, the metrics per-sample, and `monitor` among what it reports. Returns the
-    problem as one line, or None."""
+    must be a scalar, the metrics per-sample, and `monitor` among what it reports (a task
+    metric of train.eval_tasks is checked against its tasks). Returns the problem as one line,
+    or None."""
     was_training = model.training
     model.eval()
     try:
@@ -402,7 +404,7 @@ def check(task: Task, model: nn.Module, batch: Any, monitor: str) -> str | None:
                 f"must be per-sample, of shape ({size},) for this batch"
             )
     reported = reported_metrics(task, values)
-    if monitor not in reported:
+    if monitor not in reported and not monitor.startswith(TASK_METRIC):
         return (
             f"config error: ckpt.monitor: '{monitor}' is not reported by the task; it "
             f"reports {', '.join(reported)}"

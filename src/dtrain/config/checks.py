@@ -24,6 +24,8 @@ from dtrain.core.errors import UserError
 MAX_SEED = 2**63 - 1
 # The datasets that read data.root in an object store (the others read a disk).
 STORE_DATA = ("tokens", "hf")
+# What the metrics of train.eval_tasks begin with (`task_<name>_<metric>`).
+TASK_METRIC = "task_"
 
 
 def cross_checks(cfg: Config) -> None:
@@ -154,7 +156,15 @@ def _check_qat(qat: QatConfig) -> None:
 
 def _check_monitor(cfg: Config) -> None:
     """ckpt.monitor is a metric the task reports: a built-in task's, a mix's per source, and
-    with train.ema.eval the averaged weights' too (a user's task is taken at its word)."""
+    with train.ema.eval the averaged weights' too (a user's task is taken at its word). A task
+    metric (`task_...`) needs train.eval_tasks; which tasks the files hold is read at start-up."""
+    if cfg.ckpt.monitor.startswith(TASK_METRIC):
+        if not cfg.train.eval_tasks:
+            raise UserError(
+                f"config error: ckpt.monitor: '{cfg.ckpt.monitor}' is a task's metric but "
+                f"train.eval_tasks names no task; add the task's file to train.eval_tasks"
+            )
+        return
     reported = registry.builtin_metrics(cfg.task.name)
     if reported is None:
         return

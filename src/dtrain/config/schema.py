@@ -313,6 +313,13 @@ class TrainConfig:
     eval_every_steps: int | None = option(
         None, check=AT_LEAST_ONE, doc="also evaluate every this many steps"
     )
+    eval_tasks: list = option(
+        [],
+        check=(lambda v: all(isinstance(p, str) and p for p in v), "must list files or folders"),
+        doc="language-model task files (lm-eval's format) or folders, scored at each evaluation "
+        "as `task_<name>_<metric>`; see "
+        "[Training](training.md#scoring-on-tasks-while-training-traineval_tasks)",
+    )
     nan_policy: str = option(
         "stop",
         choices=("stop", "skip"),

@@ -29,6 +29,8 @@ NOT_TRAINING = (
     "train.early_stop.",
     # An average of the weights never changes the weights trained: it may be switched on or off.
     "train.ema.",
+    # Tasks scored at each evaluation only read the weights: a resume may add, drop or change them.
+    "train.eval_tasks",
 )
 
 

@@ -75,7 +75,10 @@ class Callbacks:
     - `first_step`: after the first optimizer step of an attempt (state sizes exist only then);
       what they return joins the next logged record.
     - `step_end`: after every optimizer step (the profiler's schedule).
-    - `evaluated(state, metrics)`: after every evaluation, with its `val_*` metrics.
+    - `evaluation_metrics`: at every evaluation, after the validation metrics, on every rank
+      together; what they return joins that evaluation's metrics before anything reads them
+      (`ckpt.monitor`, early stopping, the record): the tasks of train.eval_tasks.
+    - `evaluated(state, metrics)`: after every evaluation, with its metrics.
     - `saved(state)`: after every checkpoint (the run record).
     - `before_stop_save(last_save_s)`: before the checkpoint of a stop signal, with how long the
       last save took (None before the first): under SLURM, whether it fits the time left.
@@ -83,6 +86,7 @@ class Callbacks:
 
     first_step: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     step_end: list[Callable[[], None]] = field(default_factory=list)
+    evaluation_metrics: list[Callable[[], dict[str, float]]] = field(default_factory=list)
     evaluated: list[Callable[[TrainState, dict[str, float]], None]] = field(default_factory=list)
     saved: list[Callable[[TrainState], None]] = field(default_factory=list)
     before_stop_save: list[Callable[[float | None], None]] = field(default_factory=list)

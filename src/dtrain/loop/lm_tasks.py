@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.config.checks import TASK_METRIC
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.models.tokenizer import RunTokenizer
 from dtrain.process import dist
 
-PREFIX = "task_"
+PREFIX = TASK_METRIC
 # The dataset builders that read local files (the `datasets` library's packaged ones).
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 YAML_SUFFIXES = (".yaml", ".yml")

@@ -345,6 +345,8 @@ class Trainer:
             if self.ema is not None and self.ema.evaluates:
                 with self.ema.swapped():
                     metrics.update({k + SUFFIX: v for k, v in self.evaluate().items()})
+            for more in self.callbacks.evaluation_metrics:
+                metrics.update(more())
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}

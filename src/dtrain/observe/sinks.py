@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dtrain.config.checks import TASK_METRIC
 from dtrain.core.logs import log
 from dtrain.files import metrics as metrics_file
 from dtrain.files import names
@@ -21,14 +22,18 @@ from dtrain.files import names
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
+# What an evaluation's metrics begin with: the validation split's, the tasks' (train.eval_tasks).
+EVALUATED = ("val_", TASK_METRIC)
+
 
 @dataclass(frozen=True)
 class Record:
     """One record of a run, as every sink receives it.
 
     `values` is exactly one line of metrics.jsonl: `step`, `epoch`, then the figures (`loss`,
-    `lr`, ... for "train"; `val_loss`, `val_acc`, ... for "val"). `scalars` are figures for
-    dashboards only, already named by their tag (`mem/rss_gb`): metrics.jsonl does not hold them.
+    `lr`, ... for "train"; `val_loss`, `val_acc`, `task_<name>_<metric>`, ... for "val").
+    `scalars` are figures for dashboards only, already named by their tag (`mem/rss_gb`):
+    metrics.jsonl does not hold them.
     """
 
     kind: Literal["train", "val"]
@@ -155,8 +160,9 @@ class TensorBoardSink:
                     self.writer.add_scalar(f"train/{key}", values[key], step)
         else:
             for key, value in values.items():
-                if key.startswith("val_"):
-                    self.writer.add_scalar(f"val/{key[4:]}", value, step)
+                if key.startswith(EVALUATED):  # val/loss, task/<name>_<metric>
+                    kind, _, name = key.partition("_")
+                    self.writer.add_scalar(f"{kind}/{name}", value, step)
         for tag, value in record.scalars.items():
             self.writer.add_scalar(tag, value, step)
         # On disk at every record, as metrics.jsonl is: a killed run keeps its curves.

@@ -36,7 +36,7 @@ from dtrain.core.errors import UserError, first_line
 from dtrain.core.logs import log
 from dtrain.files import metrics as metrics_file
 from dtrain.files import names
-from dtrain.observe.sinks import Record, RunFacts
+from dtrain.observe.sinks import EVALUATED, Record, RunFacts
 
 # name -> (module, class, extra that installs its library).
 TRACKERS: dict[str, tuple[str, str, str]] = {
@@ -290,7 +290,7 @@ class TrackerSink:
 
     def hparams(self, step: int, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
         """The end of an attempt that was not a crash: the best checkpoint and metrics."""
-        summary = {f"final_{k}" if k.startswith("val_") else k: v for k, v in final.items()}
+        summary = {f"final_{k}" if k.startswith(EVALUATED) else k: v for k, v in final.items()}
         self.queue.put(_End(summary))
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from dtrain.observe import (
     profiling,
     setup_logging,
 )
+from dtrain.observe.sinks import EVALUATED
 from dtrain.observe.trackers import check_installed as check_trackers
 from dtrain.process import dist, slurm
 from dtrain.process import env as env_mod
@@ -50,6 +51,7 @@ from dtrain.run.components import (
     build_learner,
     build_trainer,
 )
+from dtrain.run.eval_tasks import EvalTasks, read_eval_tasks
 from dtrain.run.pieces import Pieces, build_pieces, layout_of
 from dtrain.run.remote import RemoteRun
 from dtrain.run.resume import already_past, resume_or_start
@@ -131,6 +133,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     cfg = resolve_run_name(cfg, env, config_path)
     layout = layout_of(cfg, env)
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
+    eval_tasks = read_eval_tasks(cfg)  # and task files that are not tasks, a missing tokenizer
     dist.init(layout, cfg.dist)
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
@@ -154,7 +157,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         loaders = pieces.loaders
         claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
-        outcome = _train(cfg, layout, record, pieces, clock, remote)
+        outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(
                 cfg.slurm.requeue, env
@@ -208,6 +211,7 @@ def _train(
     pieces: Pieces,
     clock: StartupClock,
     remote: RemoteRun | None,
+    eval_tasks: EvalTasks | None,
 ) -> str:
     """Build the trainer's components, resume or start, and hand them to the loop."""
     run_dir = cfg.run_dir
@@ -241,11 +245,15 @@ def _train(
     if remote is not None:
         remote.mirror.start()  # and before each checkpoint's marker (RemoteRun.store)
     pieces.notes.append(optim.describe_groups(learner.optimizer))
+    if eval_tasks is not None:
+        pieces.notes.append(eval_tasks.line())
     clock.mark("run directory and resume")
     shown = f"{cfg.run_url} (staged in {run_dir})" if cfg.run_url else run_dir
     _banner(cfg, layout, pieces, shown, resumed)
     profiler = profiling.Profiler(cfg.log.profile, run_dir, dist.rank(), layout.device)
-    callbacks = build_callbacks(layout, record, clock, resumed, learner, ema, profiler, spec, state)
+    callbacks = build_callbacks(
+        layout, record, clock, resumed, learner, ema, profiler, spec, state, eval_tasks
+    )
     trainer = build_trainer(
         cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks
     )
@@ -253,7 +261,7 @@ def _train(
         profiler.start()
         outcome = _fit_naming_lost_peers(trainer, cfg.dist.timeout_s)
         profiler.stop()
-        final = {k: v for k, v in state.last_eval.items() if k.startswith("val_")}
+        final = {k: v for k, v in state.last_eval.items() if k.startswith(EVALUATED)}
         run_log.hparams(state.step, {**final, f"best_{cfg.ckpt.monitor}": state.best_metric})
     finally:
         run_log.close()

@@ -30,6 +30,7 @@ from dtrain.process import compat, dist, slurm
 from dtrain.process.layout import Layout
 from dtrain.process.whereabouts import Whereabouts
 from dtrain.run import records
+from dtrain.run.eval_tasks import EvalTasks, task_scores
 from dtrain.run.pieces import Pieces
 from dtrain.run.weights import base_identity
 
@@ -91,11 +92,12 @@ def build_callbacks(
     profiler: profiling.Profiler,
     spec: ModelSpec,
     state: TrainState,
+    eval_tasks: EvalTasks | None,
 ) -> Callbacks:
     """What runs between steps: the first step's line and figures (start-up time, state sizes,
     the world size), the profiler's schedule, fake quantization from train.qat's start step,
-    the run record after each checkpoint, and under SLURM whether a stop's checkpoint fits the
-    job's time left."""
+    the tasks of train.eval_tasks at each evaluation, the run record after each checkpoint, and
+    under SLURM whether a stop's checkpoint fits the job's time left."""
     # Each attempt's first record says the world size it trains at (metrics.jsonl, TensorBoard),
     # and where it changed since the checkpoint, from what: an elastic run shows its changes.
     world: dict[str, Any] = {"world_size": layout.world_size}
@@ -111,6 +113,9 @@ def build_callbacks(
     callbacks = Callbacks(first_step=[first_step], step_end=[profiler.step], saved=[record.update])
     if spec.qat is not None:
         callbacks.step_end.append(_fake_quantization_from_its_step(spec, learner.model, state))
+    if eval_tasks is not None:
+        scores = task_scores(eval_tasks, learner, layout.device, layout.batch_size)
+        callbacks.evaluation_metrics.append(scores)
     if layout.env.slurm_job_id and dist.is_main():
         job_id = layout.env.slurm_job_id
         callbacks.before_stop_save.append(
