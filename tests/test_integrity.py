@@ -137,12 +137,13 @@ def test_a_second_launch_on_a_busy_run_directory_exits_2_and_harms_nothing(tmp_p
     # The first run was not disturbed: every record once and in order, its checkpoints, its log.
     steps = [r["step"] for r in Result(0, "", "", run_dir).records() if "loss" in r]
     assert steps == list(range(1, steps[-1] + 1))
-    # Every 10 steps and at the SIGTERM: the last three kept (keep_last 3), and the best one.
-    # (How many steps ran while the second launch was refused depends on the machine's load.)
+    # Every 10 steps, at each epoch's end (32 steps) and at the SIGTERM: the last three kept
+    # (keep_last 3), and the best one. (How many steps ran while the second launch was refused
+    # depends on the machine's load.)
     saved = sorted(checkpoint_dirs(run_dir))
-    periodic = list(range(10, steps[-1], 10))
-    assert saved[-1] == steps[-1] and set(periodic[-2:]) <= set(saved), saved
-    assert len(saved) <= 4 and set(saved) <= {*periodic, steps[-1]}, saved
+    made = sorted({*range(10, steps[-1], 10), *range(32, steps[-1], 32), steps[-1]})
+    assert saved[-1] == steps[-1] and set(made[-3:]) <= set(saved), (made, saved)
+    assert len(saved) <= 4 and set(saved) <= set(made), (made, saved)
     assert "in use by another run" not in (run_dir / "log.txt").read_text()
 
 
