@@ -363,7 +363,6 @@ def test_an_hf_run_exports_a_quantized_folder_that_transformers_loads(scheme, ll
                   str(out), "--latency", "eager")
     assert made.returncode == 0, made.stderr[-3000:]
     line = made.stdout.strip().splitlines()[-1]
-    print(line)
     assert line.startswith(f"quantized {scheme} (hf): val_bits_per_byte ") and f"-> {out};" in line
     result = evals_of(llama_run)[-1]
     assert set(result) == FIELDS and (result["format"], result["scheme"]) == ("hf", scheme)
