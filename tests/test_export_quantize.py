@@ -167,8 +167,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(runs, tmp_path):
     assert line == (
         "dtrain: export error: --quantize int8-dynamic: --format peft is not quantized "
         "(--format exported takes int8-dynamic, int8-weight, int8-static, int4-weight; "
-        "--format onnx takes int8-dynamic, int8-weight, int8-static)")
-    for fmt in ("state_dict", "torchscript", "safetensors", "hf"):
+        "--format onnx takes int8-dynamic, int8-weight, int8-static; "
+        "--format hf takes int8-dynamic, int8-weight)")
+    for fmt in ("state_dict", "torchscript", "safetensors"):
         line = _refused(run_dir, tmp_path, "--format", fmt, "--quantize", "int8-weight")
         assert f"--format {fmt} is not quantized" in line
     line = _refused(run_dir, tmp_path, "--format", "onnx", "--quantize", "int4-weight")
@@ -301,3 +302,101 @@ def test_a_quantization_aware_run_exports_what_it_trained(runs, tmp_path):
             f"dtrain: export error: --quantize {shown} --format {args[1]}: the run trained "
             f"quantization-aware for int8-dynamic (train.qat.scheme); export it with --format "
             f"exported --quantize int8-dynamic, which converts what it trained"), line
+
+
+# A small Llama (hf:PATH) and token files for it: a language model run on its own validation split.
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+HF_LM = ["task.name=language_model", "model.args={}", "data.name=tokens", "data.batch_size=8",
+         "data.tokens.seq_len=32", "optim.name=adamw", "optim.lr=0.003", "ckpt.monitor=val_loss",
+         "ckpt.monitor_mode=min", "train.eval_every_epochs=0", "train.max_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def llama_job(tmp_path_factory) -> list[str]:
+    """The overrides of a run that fine-tunes a small saved Llama on token files."""
+    transformers = pytest.importorskip("transformers")
+    from test_tokens import token_folder
+
+    root = tmp_path_factory.mktemp("hf_llama")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(
+        root / "llama")
+    tokens = token_folder(root / "tokens")
+    return [*HF_LM, f"model.name=hf:{root / 'llama'}", f"data.root={tokens}"]
+
+
+@pytest.fixture(scope="module")
+def llama_run(runs, llama_job) -> Path:
+    return runs("llama", llama_job)
+
+
+def recomputed_folder(run_dir: Path, folder: Path) -> float:
+    """val_loss of the Hugging Face folder, loaded by transformers as a user would, over the
+    run's validation split (in the run's evaluation batches)."""
+    from dtrain import config, data, tasks
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu").eval()
+    cfg = config.from_dict(config.read_yaml(str(run_dir / "config.yaml")))
+    datasets = data.build(cfg.data, cfg.run.seed, cfg.model.args)
+    task = tasks.build(cfg.task, datasets.info)
+    size = cfg.data.eval_batch_size or cfg.data.batch_size
+    loader = torch.utils.data.DataLoader(datasets.val, batch_size=size, collate_fn=data.collate)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in loader:
+            total += task.metrics(model, batch)["loss"].double().sum().item()
+            count += tasks.batch_size(batch)
+    return total / count
+
+
+@pytest.mark.parametrize("scheme", ["int8-dynamic",
+                                    pytest.param("int8-weight", marks=pytest.mark.slow)])
+def test_an_hf_run_exports_a_quantized_folder_that_transformers_loads(scheme, llama_run,
+                                                                      tmp_path):
+    """--format hf --quantize: a folder that transformers loads with torchao (its config.json
+    says how it is quantized), smaller than the full-precision one, whose val_loss is the one
+    dtrain kept in evals/; static int8 is not this path's (one line naming what is)."""
+    out = tmp_path / "quantized"
+    made = export("--run-dir", str(llama_run), "--format", "hf", "--quantize", scheme, "--out",
+                  str(out), "--latency", "eager")
+    assert made.returncode == 0, made.stderr[-3000:]
+    line = made.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"quantized {scheme} (hf): val_bits_per_byte ") and f"-> {out};" in line
+    result = evals_of(llama_run)[-1]
+    assert set(result) == FIELDS and (result["format"], result["scheme"]) == ("hf", scheme)
+    saved = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "torchao"
+    assert saved["quant_type"]["default"]["_type"] == torchao_name(scheme)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors"]
+    assert result["size_bytes_after"] == sum(p.stat().st_size for p in out.iterdir())
+    assert result["size_bytes_after"] < result["size_bytes_before"]
+    assert result["drop"] <= 2.0
+    assert recomputed_folder(llama_run, out) == pytest.approx(
+        result["metrics_after"]["val_loss"], abs=1e-5)
+    line = _refused(llama_run, tmp_path, "--format", "hf", "--quantize", "int8-static")
+    assert "--format hf takes only int8-dynamic, int8-weight" in line, line
+
+
+def torchao_name(scheme: str) -> str:
+    from dtrain.models import quantize
+
+    return type(quantize.torchao_config(scheme)).__name__
+
+
+def test_the_builtin_gpt_or_a_quantization_aware_run_is_one_line_with_format_hf(runs, llama_job,
+                                                                                tmp_path):
+    """The built-in gpt has no Hugging Face folder; transformers quantizes a folder afresh and
+    cannot convert what a quantization-aware run trained."""
+    line = _refused(runs("gpt", GPT), tmp_path, "--format", "hf", "--quantize", "int8-dynamic")
+    assert line == ("dtrain: export error: --format hf writes Hugging Face models (model.name: "
+                    "hf:PATH or hf-config:PATH); this checkpoint's model is gpt: use --format "
+                    "safetensors")
+    run_dir = runs("llama-qat", [*llama_job, "train.qat.scheme=int8-dynamic"])
+    line = _refused(run_dir, tmp_path, "--format", "hf", "--quantize", "int8-dynamic")
+    assert line == (
+        "dtrain: export error: --quantize int8-dynamic --format hf: the run trained "
+        "quantization-aware for int8-dynamic (train.qat.scheme); export it with --format "
+        "exported --quantize int8-dynamic, which converts what it trained")

@@ -59,4 +59,6 @@ def test_the_quantize_schemes_are_models_quantizes_and_each_format_says_its_own(
     from dtrain.models.quantize import SCHEMES
 
     assert QUANTIZE_SCHEMES == tuple(SCHEMES)
-    assert {n for n, f in FORMATS.items() if f.quantizes} == {"exported", "onnx"}
+    assert {n for n, f in FORMATS.items() if f.quantizes} == {"exported", "onnx", "hf"}
+    # Only dtrain's own quantization converts what a quantization-aware run trained.
+    assert [n for n, f in FORMATS.items() if f.quantizes and f.converts_qat] == ["exported"]

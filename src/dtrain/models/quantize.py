@@ -134,24 +134,39 @@ def quantize(model: nn.Module, scheme: str, example_batches: Sequence[Batch]) ->
     MIN_CALIBRATION_BATCHES), and the example whose shape torch.export traces; the other
     schemes need none. The caller's model is not changed."""
     chosen = _check(model, scheme_of(scheme), example_batches)
-    ao = library(f"quantize {chosen.name}")
     quantized = copy.deepcopy(model).eval()
     if chosen.name == "int8-static":
         return _static_int8(quantized, example_batches)
-    config: Any
-    if chosen.name == "int8-dynamic":
-        config = _int8_dynamic_config(ao)
-    elif chosen.name == "int8-weight":
-        config = ao.quantization.Int8WeightOnlyConfig(set_inductor_config=False)
-    else:
+    if chosen.name == "int4-weight":
         quantized = quantized.to(torch.bfloat16)  # the int4 kernel's activations
-        config = ao.quantization.Int4WeightOnlyConfig(
+    library(f"quantize {chosen.name}").quantization.quantize_(
+        quantized, torchao_config(chosen.name)
+    )
+    return quantized
+
+
+def torchao_config(scheme: str) -> Any:
+    """The torchao `quantize_` config by which the scheme called `scheme` quantizes Linear
+    layers (every scheme but int8-static, which goes through the PT2E flow): what `quantize`
+    and quantization-aware training's conversion apply, and what transformers' TorchAoConfig
+    takes to quantize a model as it loads it. int8-dynamic's activations are asymmetric per
+    token: torchao's fake quantizer has no symmetric per-token mode, and a model trained with
+    fake quantization must be converted to the same numerics it was trained with."""
+    chosen = scheme_of(scheme)
+    ao = library(f"quantize {chosen.name}").quantization
+    if chosen.name == "int8-dynamic":
+        return ao.Int8DynamicActivationInt8WeightConfig(
+            act_mapping_type=ao.MappingType.ASYMMETRIC, set_inductor_config=False
+        )
+    if chosen.name == "int8-weight":
+        return ao.Int8WeightOnlyConfig(set_inductor_config=False)
+    if chosen.name == "int4-weight":
+        return ao.Int4WeightOnlyConfig(
             group_size=INT4_GROUP_SIZE,
             int4_packing_format="tile_packed_to_4d",
             set_inductor_config=False,
         )
-    ao.quantization.quantize_(quantized, config)
-    return quantized
+    raise ValueError(f"{chosen.name} has no torchao quantize_ config (it is torchao's PT2E flow)")
 
 
 def _check(model: nn.Module, scheme: Scheme, batches: Sequence[Batch]) -> Scheme:
@@ -173,15 +188,6 @@ def _check(model: nn.Module, scheme: Scheme, batches: Sequence[Batch]) -> Scheme
             f"batches, got {len(batches)}"
         )
     return scheme
-
-
-def _int8_dynamic_config(ao: ModuleType) -> Any:
-    """int8-dynamic's torchao config. Activations are asymmetric per token: torchao's fake
-    quantizer has no symmetric per-token mode, and a model trained with fake quantization must
-    be converted to the same numerics it was trained with."""
-    return ao.quantization.Int8DynamicActivationInt8WeightConfig(
-        act_mapping_type=ao.quantization.MappingType.ASYMMETRIC, set_inductor_config=False
-    )
 
 
 def _static_int8(model: nn.Module, batches: Sequence[Batch]) -> nn.Module:
@@ -281,7 +287,7 @@ def _converted(prepared: nn.Module, scheme: str) -> nn.Module:
     """`prepared` (a model prepare_qat prepared for `scheme`), converted in place."""
     ao = library(f"quantization-aware training ({scheme})")
     ao.quantization.quantize_(
-        prepared, ao.quantization.qat.QATConfig(_int8_dynamic_config(ao), step="convert")
+        prepared, ao.quantization.qat.QATConfig(torchao_config(scheme), step="convert")
     )
     return prepared
 

@@ -199,7 +199,7 @@ def export(
     if quantize is not None:
         from dtrain.commands.export import quantized
 
-        quantized.check_layers(model, meta, quantize.scheme, form)
+        quantized.check_layers(form.module_of(model), meta, quantize.scheme, form)
     what = f"{shown} ({weights} weights)" if weights == "ema" else shown
     job = Job(model, meta, what, weights, list(overrides), shard_size)
     # Written beside --out under a hidden name, checked, then renamed into place: a failure (a

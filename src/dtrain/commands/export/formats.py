@@ -13,6 +13,8 @@ A format declares what the command needs to know of it:
   `quantizes`           the --quantize schemes it writes (quantized.py: the model quantized,
                         then evaluated against the full-precision one on the run's validation
                         split), `runtime` what runs its file when that is not PyTorch;
+  `converts_qat`        a quantization-aware run's fake quantization is converted as it trained
+                        (False where the format's own tools quantize its full-precision file);
 and does its steps in turn: `check_out(out)` before anything is read; `load`: the checkpoint's
 model (or, for hf, where its tensors come from); `write(job, out)`; `read_back(job, out,
 written)`: loaded back as a user would and compared, the largest difference and the line to
@@ -60,6 +62,7 @@ class ExportFormat:
     keeps_adapters = False
     quantizes: tuple[str, ...] = ()
     runtime = ""
+    converts_qat = True
 
     @property
     def runs_code(self) -> tuple[str, ...]:
@@ -113,6 +116,11 @@ class ExportFormat:
         from dtrain.commands.export.checkpoint_model import load_model
 
         return load_model(path, weights, self.keeps_adapters, untrusted, shown)
+
+    def module_of(self, loaded: Any) -> Any:
+        """The model (an nn.Module) in what `load` returned as the model: the layers that
+        --quantize quantizes are looked for in it."""
+        return loaded
 
     def write(self, job: Job, out: str) -> Any:
         """Write the export at `out`; returns what `read_back` needs of the writing."""
@@ -223,6 +231,7 @@ class Onnx(ExportFormat):
     reads_data = True
     quantizes = ("int8-dynamic", "int8-weight", "int8-static")
     runtime = "onnxruntime"
+    converts_qat = False
 
     def beside(self, out: str) -> list[str]:
         return [out + ".data"]
@@ -285,11 +294,15 @@ class Safetensors(ExportFormat):
 
 class HuggingFace(ExportFormat):
     """A Hugging Face model's folder (hf_folder.py): the weights from the whole model, the
-    sharded checkpoint file by file, or a LoRA run's merge tensor by tensor."""
+    sharded checkpoint file by file, or a LoRA run's merge tensor by tensor. Quantized, the
+    full-precision folder is quantized by transformers with torchao as it loads it
+    (quantized_files.py), which cannot convert a quantization-aware run's training."""
 
     name = "hf"
     needs = (("transformers", "transformers", "dtrain export --format hf"),)
     shards = True
+    quantizes = ("int8-dynamic", "int8-weight")
+    converts_qat = False
 
     def writes_folder(self, out: str) -> bool:
         return True
@@ -303,6 +316,27 @@ class HuggingFace(ExportFormat):
         from dtrain.commands.export import hf_folder
 
         return hf_folder.source_of(path, weights, untrusted, shown)
+
+    def module_of(self, loaded: Any) -> Any:
+        return loaded.model  # the source's model: whole, or its shapes on the meta device
+
+    def write_plain(self, job: Job, out: str, example: Any) -> Any:
+        # The folder dtrain writes and checks unquantized: transformers quantizes that folder.
+        self.read_back(job, out, self.write(job, out))
+        return out
+
+    def write_quantized(
+        self, job: Job, out: str, plain: Any, scheme: str, calibration: list[Any]
+    ) -> None:
+        from dtrain.commands.export import hf_files, quantized_files
+
+        size = hf_files.shard_bytes(job.shard_size or hf_files.SHARD_SIZE)
+        quantized_files.write_hf_folder(plain, out, scheme, size)
+
+    def load_file(self, out: str) -> Any:
+        from dtrain.commands.export import quantized_files
+
+        return quantized_files.load_hf_folder(out)
 
     def write(self, job: Job, out: str) -> Any:
         from dtrain.commands.export import hf_files, hf_folder

@@ -106,7 +106,11 @@ def check_layers(model: torch.nn.Module, meta: dict, scheme_name: str, form: Exp
     quantization-aware for another scheme (or for a format whose own tools quantize)."""
     scheme = quantize.scheme_of(scheme_name)
     qat = quantized_files.trained_spec(meta).qat
-    if qat is not None and qat.scheme is not None and (qat.scheme != scheme.name or form.runtime):
+    if (
+        qat is not None
+        and qat.scheme is not None
+        and (qat.scheme != scheme.name or not form.converts_qat)
+    ):
         raise UserError(
             f"export error: --quantize {scheme.name} --format {form.name}: the run trained "
             f"quantization-aware for {qat.scheme} (train.qat.scheme); export it with "

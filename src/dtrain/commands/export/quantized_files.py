@@ -1,7 +1,8 @@
 """The files of `dtrain export --quantize`: the quantized model made from the checkpoint's
-(`quantized_model`, the one place where it is made), a program of it by torch.export, and an
-ONNX file quantized by onnxruntime's own tools from the full-precision one dtrain wrote and
-checked; and an ONNX file loaded under onnxruntime as a callable model, so that the run's
+(`quantized_model`, the one place where it is made), a program of it by torch.export, an ONNX
+file quantized by onnxruntime's own tools and a Hugging Face folder quantized by transformers
+with torchao, each from the full-precision export dtrain wrote and checked; and an ONNX file
+loaded under onnxruntime, a folder by transformers, as a callable model, so that the run's
 evaluation runs it as it runs a PyTorch model.
 """
 
@@ -19,10 +20,12 @@ from torch import nn
 
 from dtrain import config
 from dtrain.commands.export.check import CheckFailed
+from dtrain.commands.export.hf_files import TOKENIZER_FILES, copy_from_folder
 from dtrain.commands.export.onnx_file import export_failure, run_session
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
-from dtrain.models import quantize
+from dtrain.files import outputs
+from dtrain.models import hf, quantize
 from dtrain.models.spec import ModelSpec, spec_of
 from dtrain.process import compat
 
@@ -127,6 +130,45 @@ def _quantize_onnx(ort: Any, plain: str, out: str, scheme: str, calibration: lis
         )
     else:
         raise UserError(f"export error: --format onnx has no --quantize {scheme}")
+
+
+def write_hf_folder(plain: str, out: str, scheme: str, limit: int) -> None:
+    """The Hugging Face folder `plain` quantized by `scheme` as transformers quantizes a model:
+    loaded (float32, on the CPU) with a TorchAoConfig of the scheme's torchao config, then saved
+    by save_pretrained at `out` (safetensors files of at most `limit` bytes holding torchao's
+    int8 tensors, config.json with the `quantization_config` that from_pretrained reads back),
+    with `plain`'s tokenizer files."""
+    transformers = hf.library(f"dtrain export --format hf --quantize {scheme}")
+    config = transformers.TorchAoConfig(quantize.torchao_config(scheme))
+    model = _model_class(plain).from_pretrained(
+        plain,
+        quantization_config=config,
+        dtype=torch.float32,
+        device_map="cpu",
+        local_files_only=True,
+        trust_remote_code=False,
+    )
+    model.save_pretrained(out, max_shard_size=limit)
+    copy_from_folder(plain, TOKENIZER_FILES, out)
+    outputs.as_ordinary_files(out)
+
+
+def load_hf_folder(path: str) -> nn.Module:
+    """The Hugging Face folder at `path`, loaded by transformers as a user would (by the class
+    its config.json's `architectures` names, what AutoModelFor... picks; a quantized folder's
+    `quantization_config` applied as transformers reads it), in eval mode."""
+    model = _model_class(path).from_pretrained(
+        path, device_map="cpu", local_files_only=True, trust_remote_code=False
+    )
+    return model.eval()
+
+
+def _model_class(folder: str) -> Any:
+    transformers = hf.library("dtrain export --format hf")
+    saved = transformers.AutoConfig.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=False
+    )
+    return getattr(transformers, saved.architectures[0])
 
 
 class Calibration:
