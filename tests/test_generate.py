@@ -191,3 +191,44 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path) -> None:
         assert result.returncode == 2 and len(lines) == 1, (args, result.stderr[-2000:])
         assert lines[0].endswith(expected), (args, lines[0])
         assert result.stdout == ""
+
+
+def test_interactive_on_a_terminal_answers_each_line_until_ctrl_d(runs) -> None:
+    """--interactive on a terminal (a pseudo-terminal here): a line typed, its reply printed;
+    a line too long for the window is said so and the next is read; Ctrl-D ends with exit 0."""
+    import os
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: dtrain with the terminal as its stdin and stdout
+        os.chdir(REPO)
+        os.execve(sys.executable, [sys.executable, "-m", "dtrain", "generate", "--run-dir",
+                                   str(runs["hf"]), "--interactive", "--max-new-tokens", "20"],
+                  child_env())
+    said = b""
+
+    def read_until(wanted: bytes, times: int = 1, timeout: float = 240) -> None:
+        nonlocal said
+        end = time.monotonic() + timeout
+        while said.count(wanted) < times and time.monotonic() < end:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    said += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert said.count(wanted) >= times, said.decode(errors="replace")[-3000:]
+
+    read_until(b"generating from")
+    os.write(fd, (QUESTION + "\n").encode())
+    read_until(REPLY.encode())
+    os.write(fd, ("word " * 200 + "\n").encode())  # longer than the 64-token window
+    read_until(b"window")
+    os.write(fd, (QUESTION + "\n").encode())
+    read_until(REPLY.encode(), times=2)
+    os.write(fd, b"\x04")  # Ctrl-D
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, said.decode(errors="replace")[-3000:]
+    assert said.decode(errors="replace").count(REPLY) == 2
