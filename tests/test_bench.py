@@ -31,6 +31,8 @@ def test_every_benchmark_imports_and_is_listed() -> None:
     assert callable(hf_export_memory.measure)
     import quantize_speed  # run on its own: int8 against fp32, eager and compiled
     assert callable(quantize_speed.run)
+    import quantize_quality  # run on its own: what int8 costs trained runs, through dtrain export
+    assert callable(quantize_quality.run)
     import generate_speed  # run on its own: dtrain generate against transformers' generate
     assert callable(generate_speed.measure)
     import task_eval_cost  # run on its own: dtrain eval --tasks against lm-eval on the export
