@@ -232,3 +232,23 @@ def test_interactive_on_a_terminal_answers_each_line_until_ctrl_d(runs) -> None:
     os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0, said.decode(errors="replace")[-3000:]
     assert said.decode(errors="replace").count(REPLY) == 2
+
+
+def test_a_lora_run_generates_with_its_adapters_on_its_base(runs) -> None:
+    """A LoRA run of the built-in gpt: `dtrain generate` reads its adapters onto the base
+    (checked by the base's digest) and decodes what the merged model decodes, token for token."""
+    lora = launch(runs["root"] / "runs" / "lora", [
+        *LM, "model.name=gpt", "model.args={dim: 32, depth: 2, heads: 2}",
+        f"data.root={runs['plain']}", "data.batch_size=8", "train.max_steps=10",
+        "optim.lr=0.05", "model.lora.r=4", "model.lora.alpha=8"])
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    merged, _ = load_model(str(latest(lora.run_dir)))
+    assert not any("lora" in name for name in merged.state_dict())
+    shown = records(generate(lora.run_dir, "--prompt", "The import statement",
+                             "--max-new-tokens", "24", "--format", "jsonl"))
+    greedy = gpt_generate(merged, shown[0]["prompt_ids"], Sampling(24, 0.0, None, None, 0),
+                          frozenset(), torch.device("cpu"))
+    assert shown[0]["ids"][:len(greedy.ids)] == greedy.ids and len(greedy.ids) == 24
+    base = records(generate(runs["gpt"], "--prompt", "The import statement",
+                            "--max-new-tokens", "24", "--format", "jsonl"))
+    assert base[0]["prompt_ids"] == shown[0]["prompt_ids"]

@@ -109,15 +109,17 @@ def gpt_generate(
 
 
 def is_built_in(model: nn.Module) -> bool:
-    """Whether `model` is the built-in GPT (decoded here), not a Hugging Face model."""
-    return not hasattr(unwrap(model), "generate")
+    """Whether `model` is the built-in GPT (decoded here), not a Hugging Face model (peft's
+    wrapper of a LoRA run has a `generate` of its own whatever it wraps: the modules say)."""
+    return any(isinstance(m, GPT) for m in model.modules())
 
 
 def window_of(model: nn.Module) -> int:
     """The model's context in tokens: the built-in GPT's, or a Hugging Face model's positions."""
     if is_built_in(model):
         return inner_gpt(model).seq_len
-    config = unwrap(model).config
+    inner: Any = unwrap(model)  # and inside a LoRA run's peft wrapper, the model it adapts
+    config = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
     return int(
         getattr(config, "max_position_embeddings", None)
         or getattr(config, "n_positions", None)
