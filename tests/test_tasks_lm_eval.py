@@ -196,6 +196,11 @@ def test_a_run_scores_its_tasks_at_each_evaluation_and_keeps_the_best_by_one(run
         assert scores(again, scored.run_dir) == expected, pick
         saved = sorted((scored.run_dir / "evals").glob("*.json"), key=lambda p: p.stat().st_mtime)
         assert json.loads(saved[-1].read_text())["step"] == (20 if pick == "latest" else best["step"])
+    # The runs table judges the run by the task metric too.
+    listed = dtrain("runs", str(tmp_path / "runs"), "--format", "json")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    [row] = json.loads(listed.stdout)
+    assert row["monitor"] == "task_tiny_mc_acc" and row["best"] == best["task_tiny_mc_acc"]
     resumed = launch(tmp_path / "runs" / "scored", [
         *LM, f"model.name=hf:{model}", f"data.root={run['root'] / 'plain'}", "data.batch_size=4",
         "train.max_steps=25", "optim.lr=0.01", "ckpt.format=full", "train.eval_every_steps=5",
