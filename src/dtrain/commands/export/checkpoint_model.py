@@ -6,6 +6,7 @@ input like the run's data to check an export on.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import warnings
@@ -88,6 +89,21 @@ def load_model(
         model = merged.merge_and_unload()
         meta = {**meta, "config": config.to_dict(dataclasses.replace(cfg, model=spec.base))}
     return model.float().eval(), meta
+
+
+def config_with_data(meta: dict, overrides: list[str], read_for: str) -> config.Config:
+    """The checkpoint's config with `data.*` overrides on top (`read_for`: what the data is
+    read for, as the refusal of another key says)."""
+    saved = copy.deepcopy(meta["config"])
+    for text in overrides:
+        key, value = config.parse_override(text)
+        if not key.startswith("data."):
+            raise UserError(
+                f"export error: override '{text}': only data.* keys are taken (they say where "
+                f"{read_for} comes from; the model is the checkpoint's)"
+            )
+        config.set_dotted(saved, key, value)
+    return config.from_dict(saved)
 
 
 def refuse_code(meta: dict, shown: str, keys: tuple[str, ...]) -> None:

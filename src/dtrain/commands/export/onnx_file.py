@@ -14,7 +14,6 @@ the file is removed and the command exits 1.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import re
@@ -28,8 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dtrain
-from dtrain import config, data, tasks
+from dtrain import data, tasks
 from dtrain.commands.export.check import CheckFailed, discard
+from dtrain.commands.export.checkpoint_model import config_with_data
 from dtrain.core.errors import UserError, first_line
 from dtrain.data import Normalize
 from dtrain.process import compat
@@ -121,16 +121,7 @@ def _metadata(meta: dict, weights: str, batch: CheckBatch) -> dict[str, str]:
 def validation_inputs(meta: dict, overrides: list[str]) -> CheckBatch:
     """The model's input for the first validation batch of the run's data, built from the
     checkpoint's config with `data.*` overrides on top."""
-    saved = copy.deepcopy(meta["config"])
-    for text in overrides:
-        key, value = config.parse_override(text)
-        if not key.startswith("data."):
-            raise UserError(
-                f"export error: override '{text}': only data.* keys are taken (they say where "
-                f"the check's validation batch comes from; the model is the checkpoint's)"
-            )
-        config.set_dotted(saved, key, value)
-    cfg = config.from_dict(saved)
+    cfg = config_with_data(meta, overrides, "the check's validation batch")
     try:
         datasets = data.build(cfg.data, cfg.run.seed, cfg.model.args)
     except UserError as e:

@@ -15,7 +15,6 @@ loader: its transforms, its shuffled order from the run's seed).
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import itertools
 import json
@@ -30,6 +29,7 @@ import torch
 from dtrain import config, data, tasks
 from dtrain.commands.export import quantized_files
 from dtrain.commands.export.check import CheckFailed, discard
+from dtrain.commands.export.checkpoint_model import config_with_data
 from dtrain.commands.export.formats import ExportFormat, Job
 from dtrain.commands.export.onnx_file import model_input
 from dtrain.core.errors import UserError
@@ -182,16 +182,7 @@ class RunData:
 
 def run_data(meta: dict, overrides: list[str]) -> RunData:
     """The run's data from the checkpoint's config, with `data.*` overrides on top."""
-    saved = copy.deepcopy(meta["config"])
-    for text in overrides:
-        key, value = config.parse_override(text)
-        if not key.startswith("data."):
-            raise UserError(
-                f"export error: override '{text}': only data.* keys are taken (they say where "
-                f"the run's data is read from; the model is the checkpoint's)"
-            )
-        config.set_dotted(saved, key, value)
-    cfg = config.from_dict(saved)
+    cfg = config_with_data(meta, overrides, "the run's data")
     datasets = data.build(cfg.data, cfg.run.seed, cfg.model.args)
     cpu = torch.device("cpu")
     loaders = data.loaders(
