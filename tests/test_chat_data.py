@@ -57,6 +57,17 @@ def save_tokenizer(folder: Path, template: str | None = TEMPLATE) -> Path:
     return folder
 
 
+def save_tiny_llama(folder: Path, llama: dict, template: str | None = TEMPLATE) -> Path:
+    """`save_tokenizer`'s folder with a Llama of its vocabulary (`llama`: LlamaConfig's sizes),
+    drawn from seed 0: an `hf:` model folder a test makes."""
+    save_tokenizer(folder, template)
+    own = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **llama, vocab_size=len(own), eos_token_id=own.eos_token_id)).save_pretrained(folder)
+    return folder
+
+
 def conversation(k: int) -> list[dict]:
     """Conversation k: a system message for some, one to three exchanges, a tool's answer in
     some, and no reply at all in every seventh (it only gives context)."""

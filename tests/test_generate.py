@@ -19,13 +19,13 @@ import pytest
 import torch
 import transformers
 from conftest import REPO, child_env, dtrain, latest, launch, torchrun_cmd, without_module
-from test_chat_data import save_tokenizer, write_jsonl
+from test_chat_data import save_tiny_llama, write_jsonl
 
 from dtrain.commands.export.checkpoint_model import load_model
-from dtrain.loop.decode import Sampling, gpt_generate
 from dtrain.commands.tokenize import command as tokenize
 from dtrain.commands.tokenize.settings import Settings
 from dtrain.data.text import python_docs
+from dtrain.loop.decode import Sampling, gpt_generate
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:UserWarning")
 
@@ -44,11 +44,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     tokens of the corpus; `chat`: its tokens of one exchange, many times; `gpt` and `hf`: the
     runs trained on them."""
     root = tmp_path_factory.mktemp("generate")
-    model = save_tokenizer(root / "model")
-    own = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **LLAMA, vocab_size=len(own), eos_token_id=own.eos_token_id)).save_pretrained(model)
+    model = save_tiny_llama(root / "model", LLAMA)
     corpus = root / "corpus.txt"
     corpus.write_text(python_docs()[:40_000].decode())
     tokenize.tokenize(Settings([str(corpus)], str(root / "plain"), tokenizer_path=str(model)),

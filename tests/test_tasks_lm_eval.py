@@ -16,10 +16,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 from conftest import REPO, child_env, dtrain, launch, torchrun_cmd, without_module
-from test_chat_data import save_tokenizer, write_jsonl
+from test_chat_data import save_tiny_llama, write_jsonl
 
 from dtrain.commands.tokenize import command as tokenize
 from dtrain.commands.tokenize.settings import Settings
@@ -82,11 +80,7 @@ print(json.dumps(out["results"]))
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tasks")
-    model = save_tokenizer(root / "model", template=None)
-    own = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **LLAMA, vocab_size=len(own), eos_token_id=own.eos_token_id)).save_pretrained(model)
+    model = save_tiny_llama(root / "model", LLAMA, template=None)
     corpus = root / "corpus.txt"
     corpus.write_text(python_docs()[:40_000].decode())
     tokenize.tokenize(Settings([str(corpus)], str(root / "plain"), tokenizer_path=str(model)),
