@@ -1,5 +1,5 @@
 """The `dtrain` command: train | plan | doctor | eval | generate | export | convert | verify |
-runs | sweep | tokenize.
+runs | sweep | lighthouse | tokenize.
 
 The command comes first; its options and `section.key=value` overrides then come in any order.
 Exit codes: 0 success (also after a preemption checkpoint and for --help), 2 bad config or input
@@ -133,6 +133,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lighthouse(args: argparse.Namespace) -> int:
+    from dtrain.commands import lighthouse
+
+    return lighthouse.main(args)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from dtrain.commands import convert
 
@@ -176,6 +182,7 @@ HANDLERS: dict[str, Handler] = {
     "verify": _verify,
     "runs": _runs,
     "sweep": _sweep,
+    "lighthouse": _lighthouse,
     "convert": _convert,
     "tokenize": _tokenize,
 }

@@ -282,6 +282,33 @@ def _sweep(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lighthouse(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--port", type=int, default=29510, help="the port to listen on (default 29510; 0: any)"
+    )
+    p.add_argument(
+        "--min-groups",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the fewest replica groups a quorum is made of (default 1)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a group silent this long is lost: the others step on without it (default 5)",
+    )
+    p.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="how long a quorum waits for more groups to join once it has enough (default 1)",
+    )
+
+
 def _convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="PATH", required=True, help="a checkpoint folder")
     p.add_argument("--to", metavar="FORMAT", required=True, help="full | sharded")
@@ -315,6 +342,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         _runs,
     ),
     "sweep": ("many runs of a config: a grid or a random search", _sweep),
+    "lighthouse": (
+        "the quorum server of a run's replica groups (parallel.replicas), in the foreground",
+        _lighthouse,
+    ),
     "convert": (
         "a checkpoint in the other format: sharded (meta.pt + dcp/) to one checkpoint.pt, or "
         "back; the new folder resumes (ckpt.resume=DIR) and exports like the original",

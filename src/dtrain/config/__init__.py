@@ -19,6 +19,7 @@ from dtrain.config.checks import cross_checks
 from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
 from dtrain.config.log import LogConfig, ProfileConfig
 from dtrain.config.model import LoraConfig, ModelConfig
+from dtrain.config.parallel import DDPConfig, FSDPConfig, ParallelConfig, ReplicasConfig
 from dtrain.config.plain_yaml import DuplicateKey
 from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.config.schema import (
@@ -27,13 +28,10 @@ from dtrain.config.schema import (
     QUANTIZATION_SCHEMES,
     CkptConfig,
     Config,
-    DDPConfig,
     DistConfig,
     EarlyStopConfig,
     EmaConfig,
-    FSDPConfig,
     OptimConfig,
-    ParallelConfig,
     QatConfig,
     RunConfig,
     SchedConfig,
@@ -52,6 +50,7 @@ __all__ = [
     "CkptConfig",
     "Config",
     "DDPConfig",
+    "ReplicasConfig",
     "DataConfig",
     "DistConfig",
     "EarlyStopConfig",

@@ -9,6 +9,7 @@ import difflib
 from dtrain.config import registry
 from dtrain.config.data import MIX_METRICS, check_mix, mix_names
 from dtrain.config.model import ModelConfig
+from dtrain.config.parallel import ParallelConfig
 from dtrain.config.schema import (
     QAT_SCHEMES,
     QUANTIZATION_SCHEMES,
@@ -36,6 +37,7 @@ def cross_checks(cfg: Config) -> None:
     _check_run(cfg.run)
     _check_model(cfg.model)
     _check_qat(cfg.train.qat)
+    _check_replicas(cfg.parallel)
     wrap = cfg.parallel.fsdp.wrap
     if isinstance(wrap, str) and wrap != "auto":
         raise UserError(
@@ -151,6 +153,27 @@ def _check_qat(qat: QatConfig) -> None:
             f"config error: train.qat.scheme: {qat.scheme} has no fake quantization to train "
             f"with; quantization-aware training trains for {', '.join(QAT_SCHEMES)} (quantize "
             f"a trained run with {qat.scheme} by dtrain export instead)"
+        )
+
+
+def _check_replicas(parallel: ParallelConfig) -> None:
+    replicas = parallel.replicas
+    if not replicas.groups:
+        return
+    if replicas.groups == 1:
+        raise UserError(
+            "config error: parallel.replicas.groups=1: one group is a plain run; set 0 (off) "
+            "or the 2 or more groups the job is launched as"
+        )
+    if replicas.min_groups > replicas.groups:
+        raise UserError(
+            f"config error: parallel.replicas.min_groups={replicas.min_groups} is more than "
+            f"the {replicas.groups} groups of parallel.replicas.groups"
+        )
+    if parallel.mode == "fsdp":
+        raise UserError(
+            "config error: parallel.replicas with parallel.mode=fsdp is not supported yet; "
+            "each replica group runs ddp (or one process) for now"
         )
 
 

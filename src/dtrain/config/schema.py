@@ -30,6 +30,7 @@ from dtrain.config.fields import (
 )
 from dtrain.config.log import LogConfig
 from dtrain.config.model import ModelConfig
+from dtrain.config.parallel import ParallelConfig
 from dtrain.core.urls import is_url, join, staging_dir
 
 # The name of a run started without a config file, a SLURM job or run.name.
@@ -95,68 +96,6 @@ class DistConfig:
         check=DURATION,
         doc="timeout of the start-up rendezvous (slow starts don't trip the training timeout)",
     )
-
-
-@dataclass(frozen=True)
-class DDPConfig:
-    """Passed to `DistributedDataParallel` when `parallel.mode` is ddp."""
-
-    bucket_cap_mb: float = option(25.0, check=POSITIVE, doc="DDP's gradient bucket size")
-    find_unused_parameters: bool = option(
-        False, doc="allow parameters that get no gradient in a step (costs a graph walk per step)"
-    )
-    static_graph: bool = option(
-        False, doc="tell DDP the set of used parameters is the same at every step"
-    )
-    broadcast_buffers: bool = option(
-        True, doc="sync buffers (BatchNorm statistics) from rank 0 at each forward"
-    )
-    gradient_as_bucket_view: bool = option(
-        True,
-        doc="gradients are views into DDP's all-reduce buckets: one copy of them per rank, "
-        "not two (false: the bucket copy as in plain DDP)",
-    )
-
-
-@dataclass(frozen=True)
-class FSDPConfig:
-    """FSDP2 (`fully_shard`) when `parallel.mode` is fsdp: see [FSDP](fsdp.md)."""
-
-    wrap: str | list = option(
-        "auto",
-        doc="`auto` (a Hugging Face model's own blocks, its `_no_split_modules`; else each "
-        "block of the model's sequential stages) or a list of module class names, each "
-        "instance its own unit",
-    )
-    reshard_after_forward: bool = option(
-        True, doc="false keeps parameters gathered between forward and backward"
-    )
-    hybrid_replicas: int = option(
-        1,
-        check=AT_LEAST_ONE,
-        doc="HSDP: a 2-D mesh of this many replica groups, sharded inside each; 1 = plain FSDP",
-    )
-    cpu_offload: bool = option(
-        False, doc="parameters, gradients and optimizer state in host memory (CUDA only)"
-    )
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the model is spread over the ranks."""
-
-    mode: str = option(
-        "ddp",
-        choices=("ddp", "fsdp", "none"),
-        doc="none: a bare model, refused with more than one rank",
-    )
-    sync_batchnorm: bool = option(
-        False,
-        doc="BatchNorm statistics over all ranks' batches (SyncBatchNorm on GPUs, a cross-rank "
-        "BatchNorm on the CPU), DDP and FSDP",
-    )
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass(frozen=True)

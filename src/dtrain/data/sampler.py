@@ -9,6 +9,7 @@ part-way through an epoch, that makes a mid-epoch resume bit-exact.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,6 +129,8 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.batch_size = batch_size
         self.epoch, self.consumed = 0, 0
+        # The keys served, in order, where someone reads them (a replica group's sample log).
+        self.served: deque[tuple[int, int]] | None = None
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
         self.epoch, self.consumed = epoch, consumed
@@ -190,6 +193,8 @@ class ResumableSampler(Sampler[tuple[int, int]]):
             position = consumed + served
             position = np.where(position < self.size, position, position - self.size)
             for index in permutation(position).tolist():
+                if self.served is not None:
+                    self.served.append((epoch, index))
                 yield (epoch, index)
 
 

@@ -22,6 +22,8 @@ NOT_TRAINING = (
     "log.",
     "ckpt.",
     "dist.",
+    # Replica groups train what one run over their ranks trains: a resume may add or drop them.
+    "parallel.replicas.",
     "slurm.",
     "data.num_workers",
     "data.persistent_workers",

@@ -23,7 +23,8 @@ from dtrain.process.whereabouts import Whereabouts
 
 class Saving:
     """Saves the run's checkpoints through `checkpoints` at the steps `ckpt` asks; `saved` are
-    called after each (the run record)."""
+    called after each (the run record). Without `writes` (a replica group other than the first,
+    which heals from a live peer instead) it saves nothing."""
 
     def __init__(
         self,
@@ -32,19 +33,21 @@ class Saving:
         learner: Learner,
         where: Whereabouts,
         saved: list[Callable[[TrainState], None]],
+        writes: bool = True,
     ) -> None:
         self.checkpoints, self.ckpt, self.learner = checkpoints, ckpt, learner
+        self.writes = writes
         self.where, self.saved = where, saved
         self.last_save_s: float | None = None  # how long the last save took
 
     def due_by_steps(self, step: int) -> bool:
         every = self.ckpt.every_steps
-        return every is not None and step % every == 0
+        return self.writes and every is not None and step % every == 0
 
     def due_at_epoch_end(self, state: TrainState) -> bool:
         """At the end of an epoch (`state.epoch` is the next one's): by epochs or by steps."""
         every = self.ckpt.every_epochs
-        by_epochs = every > 0 and state.epoch % every == 0
+        by_epochs = self.writes and every > 0 and state.epoch % every == 0
         return by_epochs or self.due_by_steps(state.step)
 
     def save(self, state: TrainState) -> None:
@@ -69,6 +72,8 @@ class Saving:
         (an object store), tried again after 5, 10 and 20 s; the run fails (exit 1, the previous
         checkpoint kept) only if the last attempt fails too."""
         checkpoints = self.checkpoints
+        if not self.writes:
+            return
         for attempt in range(attempts):
             if checkpoints.last_saved_step != state.step:
                 self.save(state)

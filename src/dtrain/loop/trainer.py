@@ -31,6 +31,7 @@ from dtrain.loop.ema import SUFFIX, EmaWeights
 from dtrain.loop.saving import Saving
 from dtrain.loop.state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import log, memory_stats
+from dtrain.parallel.replicas import Groups, OneGroup
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 
@@ -54,8 +55,11 @@ class Trainer:
         ema: EmaWeights | None,
         observers: Observers,
         callbacks: Callbacks,
+        replicas: Groups | None = None,
     ) -> None:
         self.train, self.layout, self.state = train, layout, state
+        # The replica groups this group trains with (parallel.replicas), or one group alone.
+        self.replicas = replicas if replicas is not None else OneGroup()
         self.learner, self.feed, self.saving = learner, feed, saving
         self.early_stop, self.ema = early_stop, ema
         self.observers, self.callbacks = observers, callbacks
@@ -99,60 +103,20 @@ class Trainer:
             gc.unfreeze()
 
     def _fit(self) -> str:
-        train, state, loaders = self.train, self.state, self.feed.loaders
-        progress = self.observers.run_log.progress
+        train, state = self.train, self.state
         max_steps = train.max_steps or math.inf
         while (
             not state.reached(train.epochs, train.max_steps)
             and not self.stop_requested
             and not self.early_stop.due  # (a resumed run that had stopped early ends at once)
         ):
-            loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
-            steps_this_epoch = len(loaders.train) // self.accum
-            done_before = state.samples_in_epoch // self.samples_per_step
-            last_done = done_before + steps_this_epoch
-            progress.start_epoch(state.epoch, last_done)
-            self.model.train()
-            batches = iter(loaders.train)
-            epoch_finished = True
-            for done in range(done_before + 1, last_done + 1):
-                self._sync_debug(state.step >= 2)
-                last_in_epoch = done == last_done
-                at_log_step = (state.step + 1) % train.log_every == 0
-                check = (state.step + 1) % train.check_every_steps == 0 or last_in_epoch
-                times = self._train_step(batches, wants_norm=at_log_step or check)
-                if not self._first_step_done:
-                    self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
-                    self._first_step_done = True
-                state.step += 1
-                state.samples_in_epoch += self.samples_per_step
-                self.window.add(times, self.samples_per_step)
-                if at_log_step or check:
-                    self._agree()
-                self._log_step(done, at_log_step)
-                for hook in self.callbacks.step_end:
-                    hook()
-                if train.eval_every_steps and state.step % train.eval_every_steps == 0:
-                    self._agree()
-                    self._evaluate()
-                # A save due on an epoch's last step waits for the epoch's end, so that the
-                # checkpoint says "next epoch" and holds that epoch's evaluation.
-                due = self.saving.due_by_steps(state.step)
-                if due and not last_in_epoch and not self.stop_requested:
-                    self._agree()
-                    self._save()
-                if self.stop_requested or state.step >= max_steps or self.early_stop.due:
-                    epoch_finished = last_in_epoch
-                    break
-            del batches  # stops the loader workers of an unfinished epoch
-            progress.end_epoch()
-            if epoch_finished:
-                state.epoch += 1
-                state.samples_in_epoch = 0
-                if train.eval_every_epochs and state.epoch % train.eval_every_epochs == 0:
-                    self._evaluate()
-                if self.saving.due_at_epoch_end(state) and not self.stop_requested:
-                    self._save()
+            # The next step's replica groups (a heal moves the state): the epoch's rest is
+            # then split over the groups present, from where the run is.
+            self.replicas.regroup(state.step)
+            if state.reached(train.epochs, train.max_steps):
+                break
+            if self._epoch(max_steps):
+                self._end_epoch()
         self._agree()
         if self.stop_requested:
             log.info(
@@ -175,8 +139,74 @@ class Trainer:
             return "stopped_early"
         return "finished"
 
+    def _epoch(self, max_steps: float) -> bool:
+        """The rest of the epoch from where the run is, split over the replica groups present.
+        True when the epoch is finished; False when it ends part-way: a stop, the run's length,
+        early stopping, or the groups changed (split again, from the same place)."""
+        train, state, loaders = self.train, self.state, self.feed.loaders
+        progress = self.observers.run_log.progress
+        split = self.replicas.split(loaders.train_sampler, self.layout.world_size, dist.rank())
+        self.samples_per_step = self.layout.effective_batch * split
+        loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
+        steps_this_epoch = len(loaders.train) // self.accum
+        done_before = state.samples_in_epoch // self.samples_per_step
+        last_done = done_before + steps_this_epoch
+        progress.start_epoch(state.epoch, last_done)
+        self.model.train()
+        batches = iter(loaders.train)
+        epoch_finished = True
+        for done in range(done_before + 1, last_done + 1):
+            if self.replicas.regroup(state.step):  # the groups changed: split again
+                epoch_finished = False
+                break
+            self._sync_debug(state.step >= 2)
+            last_in_epoch = done == last_done
+            at_log_step = (state.step + 1) % train.log_every == 0
+            check = (state.step + 1) % train.check_every_steps == 0 or last_in_epoch
+            times = self._train_step(batches, wants_norm=at_log_step or check)
+            if times is None:  # not committed by every group: trained again after a regroup
+                epoch_finished = False
+                break
+            self.replicas.trained(state.step + 1, loaders.train_sampler, last_in_epoch)
+            if not self._first_step_done:
+                self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
+                self._first_step_done = True
+            state.step += 1
+            state.samples_in_epoch += self.samples_per_step
+            self.window.add(times, self.samples_per_step)
+            if at_log_step or check:
+                self._agree()
+            self._log_step(done, at_log_step)
+            for hook in self.callbacks.step_end:
+                hook()
+            if train.eval_every_steps and state.step % train.eval_every_steps == 0:
+                self._agree()
+                self._evaluate()
+            # A save due on an epoch's last step waits for the epoch's end, so that the
+            # checkpoint says "next epoch" and holds that epoch's evaluation.
+            due = self.saving.due_by_steps(state.step)
+            if due and not last_in_epoch and not self.stop_requested:
+                self._agree()
+                self._save()
+            if self.stop_requested or state.step >= max_steps or self.early_stop.due:
+                epoch_finished = last_in_epoch
+                break
+        del batches  # stops the loader workers of an unfinished epoch
+        progress.end_epoch()
+        return epoch_finished
+
+    def _end_epoch(self) -> None:
+        """An epoch finished: the next one begins, after its evaluation and save if due."""
+        train, state = self.train, self.state
+        state.epoch += 1
+        state.samples_in_epoch = 0
+        if train.eval_every_epochs and state.epoch % train.eval_every_epochs == 0:
+            self._evaluate()
+        if self.saving.due_at_epoch_end(state) and not self.stop_requested:
+            self._save()
+
     # -----------------------------------------------------------------------------------------
-    def _train_step(self, batches: Iterator, wants_norm: bool = True) -> StepTimes:
+    def _train_step(self, batches: Iterator, wants_norm: bool = True) -> StepTimes | None:
         """One optimizer step. Between checks it never waits for the device: the loss, whether
         the step was non-finite, and the gradient norm stay on the device (`Pending`). The norm
         is computed where clipping needs it or `wants_norm` (a check follows, which reads it)."""
@@ -223,6 +253,11 @@ class Trainer:
             # The first micro-batch's loss as it is (0 + x is x), the others added to it.
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         assert step_loss is not None  # grad_accum >= 1
+        where.phase = "replica groups"
+        self.replicas.average(model)
+        if not self.replicas.commit():
+            optimizer.zero_grad(set_to_none=True)
+            return None
         where.phase = "optimizer"
         # A step is non-finite when its gradients are (checked on every step, clipped or not;
         # a non-finite loss makes them so). DDP averaged the gradients and FSDP's norm is

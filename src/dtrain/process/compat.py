@@ -155,6 +155,14 @@ def shutdown_workers(loader: torch.utils.data.DataLoader) -> None:
 # Trees of tensors (batches, states): dicts, lists, tuples, namedtuples, nested
 
 
+def stream_load_weights_only(stream: Any) -> Any:
+    """A state streamed by `torch.distributed`'s streaming save (a replica group's heal), read
+    with torch's weights-only unpickler: tensors and plain values, never code."""
+    from torch.distributed._serialization import _streaming_load
+
+    return _streaming_load(stream, weights_only=True)
+
+
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """`tree` with `fn` applied to every tensor in it, its containers rebuilt alike."""
     return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)

@@ -54,6 +54,7 @@ from dtrain.run.components import (
 from dtrain.run.eval_tasks import EvalTasks, read_eval_tasks
 from dtrain.run.pieces import Pieces, build_pieces, layout_of
 from dtrain.run.remote import RemoteRun
+from dtrain.run.replica_groups import as_group, build_replicas, global_rank, this_group
 from dtrain.run.resume import already_past, resume_or_start
 
 
@@ -131,6 +132,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
+    group = this_group(cfg)  # parallel.replicas: this launch's group (None without)
+    cfg = as_group(cfg, group)
     layout = layout_of(cfg, env)
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
     eval_tasks = read_eval_tasks(cfg)  # and task files that are not tasks, a missing tokenizer
@@ -157,7 +160,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         loaders = pieces.loaders
         claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
-        outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks)
+        outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks, group)
         if outcome == "preempted" and dist.is_main():
             slurm.after_preemption(
                 cfg.slurm.requeue, env
@@ -212,8 +215,10 @@ def _train(
     clock: StartupClock,
     remote: RemoteRun | None,
     eval_tasks: EvalTasks | None,
+    group: int | None,
 ) -> str:
-    """Build the trainer's components, resume or start, and hand them to the loop."""
+    """Build the trainer's components, resume or start, and hand them to the loop (`group`:
+    this launch's replica group, None without replica groups)."""
     run_dir = cfg.run_dir
     store = (  # the storage options also for a ckpt.resume in a store
         remote.store(run_dir)
@@ -221,7 +226,8 @@ def _train(
         else Store(run_dir, cfg.run.storage_options, cfg.run.store_timeout_s)
     )
     learner = build_learner(cfg, pieces)
-    torch.manual_seed(cfg.run.seed + 1 + dist.rank())  # per-rank randomness from here on (dropout)
+    # Per-rank randomness from here on (dropout), by the rank's place among every group's ranks.
+    torch.manual_seed(cfg.run.seed + 1 + global_rank(group, layout))
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, learner.model)  # None unless train.ema.decay is set
     spec = pieces.spec
@@ -254,8 +260,9 @@ def _train(
     callbacks = build_callbacks(
         layout, record, clock, resumed, learner, ema, profiler, spec, state, eval_tasks
     )
+    replicas = build_replicas(cfg, group, layout, checkpoints.contents, state.step)
     trainer = build_trainer(
-        cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks
+        cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks, replicas
     )
     try:
         profiler.start()
@@ -264,6 +271,7 @@ def _train(
         final = {k: v for k, v in state.last_eval.items() if k.startswith(EVALUATED)}
         run_log.hparams(state.step, {**final, f"best_{cfg.ckpt.monitor}": state.best_metric})
     finally:
+        replicas.close()
         run_log.close()
     record.update(state, outcome)
     log.info(f"{outcome} at step {state.step}: {cfg.run_url or run_dir}")

@@ -26,6 +26,7 @@ from dtrain.loop.trainer import Trainer
 from dtrain.models.spec import ModelSpec
 from dtrain.observe import RunLog, StartupClock, Throughput, log, peak_flops, profiling
 from dtrain.observe.stragglers import Stragglers
+from dtrain.parallel.replicas import Groups
 from dtrain.process import compat, dist, slurm
 from dtrain.process.layout import Layout
 from dtrain.process.whereabouts import Whereabouts
@@ -153,6 +154,7 @@ def build_trainer(
     checkpoints: Checkpointer,
     run_log: RunLog,
     callbacks: Callbacks,
+    replicas: Groups,
 ) -> Trainer:
     """The loop with its components: the checkpoints on the schedule of `ckpt`, early stopping,
     and what watches it (records, throughput, stragglers, this rank's whereabouts)."""
@@ -171,11 +173,14 @@ def build_trainer(
         state=state,
         learner=learner,
         feed=Feed(pieces.datasets, pieces.loaders, cfg.model.channels_last),
-        saving=Saving(checkpoints, cfg.ckpt, learner, where, callbacks.saved),
+        saving=Saving(
+            checkpoints, cfg.ckpt, learner, where, callbacks.saved, writes=replicas.group == 0
+        ),
         early_stop=EarlyStop(cfg.train.early_stop, cfg.ckpt, state),
         ema=ema,
         observers=Observers(run_log, throughput, Stragglers(dist.host_of), where),
         callbacks=callbacks,
+        replicas=replicas,
     )
 
 

@@ -1,0 +1,108 @@
+"""The `parallel` section of the config: how the model is spread over the ranks (DDP, FSDP and
+their options) and over replica groups (torchft)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtrain.config.fields import AT_LEAST_ONE, DURATION, NON_NEGATIVE, POSITIVE, option
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """Passed to `DistributedDataParallel` when `parallel.mode` is ddp."""
+
+    bucket_cap_mb: float = option(25.0, check=POSITIVE, doc="DDP's gradient bucket size")
+    find_unused_parameters: bool = option(
+        False, doc="allow parameters that get no gradient in a step (costs a graph walk per step)"
+    )
+    static_graph: bool = option(
+        False, doc="tell DDP the set of used parameters is the same at every step"
+    )
+    broadcast_buffers: bool = option(
+        True, doc="sync buffers (BatchNorm statistics) from rank 0 at each forward"
+    )
+    gradient_as_bucket_view: bool = option(
+        True,
+        doc="gradients are views into DDP's all-reduce buckets: one copy of them per rank, "
+        "not two (false: the bucket copy as in plain DDP)",
+    )
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2 (`fully_shard`) when `parallel.mode` is fsdp: see [FSDP](fsdp.md)."""
+
+    wrap: str | list = option(
+        "auto",
+        doc="`auto` (a Hugging Face model's own blocks, its `_no_split_modules`; else each "
+        "block of the model's sequential stages) or a list of module class names, each "
+        "instance its own unit",
+    )
+    reshard_after_forward: bool = option(
+        True, doc="false keeps parameters gathered between forward and backward"
+    )
+    hybrid_replicas: int = option(
+        1,
+        check=AT_LEAST_ONE,
+        doc="HSDP: a 2-D mesh of this many replica groups, sharded inside each; 1 = plain FSDP",
+    )
+    cpu_offload: bool = option(
+        False, doc="parameters, gradients and optimizer state in host memory (CUDA only)"
+    )
+
+
+@dataclass(frozen=True)
+class ReplicasConfig:
+    """Replica groups that train on when one is lost and heal it from a live peer (torchft): see
+    [Replica groups](replicas.md). Each launch (a torchrun, a SLURM job step) is one group."""
+
+    groups: int = option(
+        0,
+        check=NON_NEGATIVE,
+        doc="the replica groups the job is launched as; 0 = off (one group, as a plain run)",
+    )
+    group: int | None = option(
+        None,
+        doc="this launch's group, 0 to groups - 1 (null: the DTRAIN_REPLICA_GROUP environment "
+        "variable); group 0 writes the run directory and its checkpoints",
+    )
+    lighthouse: str = option(
+        "",
+        doc="the lighthouse's address, http://HOST:PORT (`dtrain lighthouse` starts one; empty: "
+        "the TORCHFT_LIGHTHOUSE environment variable)",
+    )
+    min_groups: int = option(
+        1, check=AT_LEAST_ONE, doc="the fewest groups a step may be taken with"
+    )
+    timeout_s: float = option(
+        30.0,
+        check=DURATION,
+        doc="how long a group waits for the others in an exchange or a heal before the step is "
+        "tried again without the missing one",
+    )
+    sample_log: bool = option(
+        False,
+        doc="each rank writes the sample keys of every step it took part in to "
+        "`replica_samples.rank<r>.jsonl` in its group's run directory: the proof that every "
+        "sample of an epoch was trained once",
+    )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over the ranks."""
+
+    mode: str = option(
+        "ddp",
+        choices=("ddp", "fsdp", "none"),
+        doc="none: a bare model, refused with more than one rank",
+    )
+    sync_batchnorm: bool = option(
+        False,
+        doc="BatchNorm statistics over all ranks' batches (SyncBatchNorm on GPUs, a cross-rank "
+        "BatchNorm on the CPU), DDP and FSDP",
+    )
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)

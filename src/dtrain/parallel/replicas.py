@@ -1,0 +1,369 @@
+"""Replica groups (parallel.replicas): several launches of one run, each a group of its own
+(a single process or DDP over its ranks), whose gradients are averaged through torchft's Manager.
+A group that is lost leaves the others stepping at the smaller size; one that (re)joins heals
+from a live peer before its first step.
+
+What keeps every sample trained exactly once is not torchft but the run's own data order: each
+step begins with a quorum (`regroup`) that says which groups take part and this group's place
+among them, and the training sampler is then split over the groups present from the epoch's
+position, as a resume onto another world size splits it. A step whose exchange failed is not
+committed (`commit`): nothing moves, and the same samples are trained again by the groups
+present at the next quorum.
+
+`OneGroup` is the same interface for a run without replica groups: the loop calls both alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.config import ReplicasConfig
+from dtrain.core.errors import PeerFailure, UserError, first_line
+from dtrain.core.imports import require
+from dtrain.data.sampler import ResumableSampler
+from dtrain.observe import log
+from dtrain.process import compat, dist
+
+GROUP_ENV = "DTRAIN_REPLICA_GROUP"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+FEATURE = "parallel.replicas"
+# How long a quorum may take, in parallel.replicas.timeout_s: a joining group waits there for
+# the others, and a lighthouse that stopped answering ends the groups after it.
+QUORUM_TIMEOUTS = 2
+
+HealState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
+
+
+def quiet_torchft() -> None:
+    """torchft, imported with its logs kept to what a user acts on: its servers' per-step lines
+    (Rust, RUST_LOG) at warnings unless the user asks for more, its Python loggers silent (a
+    lost peer's traceback on every group): this module says what happened, in one line each."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    require("torchft", "replicas", FEATURE)
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+
+
+def group_of(section: ReplicasConfig, environ: dict[str, str]) -> int:
+    """This launch's group: parallel.replicas.group, else $DTRAIN_REPLICA_GROUP."""
+    group: Any = section.group
+    if group is None:
+        text = environ.get(GROUP_ENV, "")
+        if not text.strip().isdigit():
+            raise UserError(
+                f"config error: parallel.replicas.groups={section.groups} but this launch's "
+                f"group is not known; set parallel.replicas.group or {GROUP_ENV} (0 to "
+                f"{section.groups - 1})"
+            )
+        group = int(text)
+    if not 0 <= group < section.groups:
+        raise UserError(
+            f"config error: replica group {group} is not one of the "
+            f"{section.groups} of parallel.replicas.groups (0 to {section.groups - 1})"
+        )
+    return int(group)
+
+
+def lighthouse_of(section: ReplicasConfig, environ: dict[str, str]) -> str:
+    address = section.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise UserError(
+            "config error: parallel.replicas needs a lighthouse; start one with `dtrain "
+            f"lighthouse` and set parallel.replicas.lighthouse (or {LIGHTHOUSE_ENV}) to the "
+            "address it prints"
+        )
+    return address if "://" in address else f"http://{address}"
+
+
+def check_lighthouse(address: str, timeout_s: float) -> None:
+    """One line, before anything is written, where no lighthouse answers at `address`."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout_s):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"replica groups: no lighthouse answers at {address} ({e.strerror or e}); start "
+            f"one there with `dtrain lighthouse` before the groups, or set "
+            f"parallel.replicas.lighthouse to where it listens"
+        ) from None
+
+
+def weights_digest(model: nn.Module) -> str:
+    """The content digest of the model's state (names, shapes, dtypes and bytes), as a healed
+    group and its donor compare it."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype};".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+class Groups:
+    """What the loop asks of the replica groups, whether there are several or one."""
+
+    group = 0  # this launch's group
+    groups_present = 1  # at the step under way
+    place = 0  # this group's place among them
+
+    def regroup(self, step: int) -> bool:
+        return False
+
+    def split(self, sampler: ResumableSampler, ranks: int, rank: int) -> int:
+        """The training sampler split over the ranks of every group present, numbered as one
+        run over all of them would number them (this group's `ranks`, this process its
+        `rank`); returns the groups present, by which a step's samples are multiplied."""
+        sampler.rank = self.place * ranks + rank
+        sampler.world_size = self.groups_present * ranks
+        sampler.served = self.served()
+        return self.groups_present
+
+    def average(self, model: nn.Module) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+    def served(self) -> deque[tuple[int, int]] | None:
+        """Where the training sampler puts the keys it serves, for the sample log (None:
+        nothing logs them)."""
+        return None
+
+    def trained(self, step: int, sampler: ResumableSampler, last_in_epoch: bool) -> None:
+        """After a committed step: its sample keys on this rank, where they are logged. The
+        loader batches the sampler's keys in order, so a step's are the next ones (the
+        epoch's last step takes what is left)."""
+        if sampler.served is None:
+            return
+        served = sampler.served
+        count = len(served) if last_in_epoch else self._keys_per_step
+        self._log([served.popleft() for _ in range(min(count, len(served)))], step)
+
+    _keys_per_step = 0
+
+    def _log(self, keys: list[tuple[int, int]], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class OneGroup(Groups):
+    """A run without replica groups: one group, always complete, every step committed."""
+
+
+class Replicas(Groups):
+    """This group among the job's replica groups, through a torchft Manager.
+
+    `heal_state`: what a healing peer receives (the run's state as a dict of tensors and plain
+    values, read with torch's weights-only loader) and how this group takes it. The model's
+    digest travels with it and is checked after it is applied: a heal that does not reproduce
+    the donor's weights ends this group (its launcher restarts it) rather than train on them.
+    """
+
+    def __init__(
+        self,
+        section: ReplicasConfig,
+        group: int,
+        group_rank: int,
+        group_size: int,
+        model: nn.Module,
+        heal_state: HealState,
+        step: int,
+        keys_per_step: int,
+        sample_log: str | None = None,
+    ) -> None:
+        quiet_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.section, self.group, self.model = section, group, model
+        self.groups_present, self.place = 0, 0
+        self._heal_state = heal_state
+        self._quorum_for: int | None = None
+        self._healed_from: int | None = None
+        self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
+        # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
+        self._sample_log = (
+            open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
+        )
+        lighthouse = lighthouse_of(section, dict(os.environ))
+        self.lighthouse = lighthouse
+        try:
+            self.manager = self._manager(Manager, ProcessGroupGloo, group_rank, group_size)
+        except RuntimeError as e:  # the lighthouse gone since the check at the start
+            raise PeerFailure(
+                f"replica group {group}: cannot join the lighthouse at {lighthouse} "
+                f"({_shown(e)}); nothing was trained"
+            ) from None
+        # The Manager counts committed steps from 0; the run may start from a checkpoint.
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def _manager(self, manager: Any, process_group: Any, group_rank: int, group_size: int) -> Any:
+        timeout = timedelta(seconds=self.section.timeout_s)
+        host, port = _group_store(group_rank)
+        return manager(
+            pg=process_group(timeout=timeout),
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=self.section.min_groups,
+            use_async_quorum=False,  # heal before the step's forward, never during it
+            timeout=timeout,
+            quorum_timeout=timeout * QUORUM_TIMEOUTS,
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"group_{self.group}",
+            hostname=host,
+            checkpoint_transport=_weights_only_transport(timeout),
+        )
+
+    def regroup(self, step: int) -> bool:
+        """The quorum of `step` (once a step): which groups take part and this group's place
+        among them; a group behind the others is healed here. True when the data must be split
+        again: the groups present changed, or this group was healed (its position moved)."""
+        if self._quorum_for == step:
+            return False
+        before = (self.groups_present, self.place)
+        self._healed_from = None
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse is gone or silent
+            raise PeerFailure(
+                f"replica group {self.group}: no quorum from the lighthouse at "
+                f"{self.lighthouse} for step {step + 1} ({_shown(e)}); restart it (`dtrain "
+                f"lighthouse`) and the groups: they resume from the last checkpoint"
+            ) from None
+        place, present = self.manager.participating_rank(), self.manager.num_participants()
+        if place is None:  # (only with an asynchronous quorum, which this never asks for)
+            raise RuntimeError("replica group not taking part after a synchronous quorum")
+        self.place, self.groups_present = place, present
+        self._quorum_for = self.manager.current_step()
+        healed = self._healed_from is not None
+        if healed:
+            log.info(
+                f"replica group {self.group}: healed from a live peer at step "
+                f"{self._healed_from} (weights digest checked); {present} group(s) present"
+            )
+        elif before[0] and present != before[0]:
+            log.warning(
+                f"replica groups: {before[0]} -> {present} present at step {step + 1}; "
+                f"group {self.group} goes on as {place + 1} of {present}"
+            )
+        return healed or (present, place) != before
+
+    def average(self, model: nn.Module) -> None:
+        """The gradients averaged over the groups present, each scaled by 1/groups and then
+        summed, as DDP averages over ranks (one flat exchange)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self.groups_present)
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def commit(self) -> bool:
+        """Whether every group present finished the step's exchange: only then is it taken."""
+        error = self.manager.errored()
+        committed = bool(self.manager.should_commit())
+        if not committed:  # the step is tried again, after a quorum of its own
+            self._quorum_for = None
+            cause = _shown(error.original_exception) if error else "a group did not finish it"
+            log.warning(
+                f"replica group {self.group}: step {self.manager.current_step() + 1} not "
+                f"committed ({cause}); it is trained again by the groups present"
+            )
+        return committed
+
+    def served(self) -> deque[tuple[int, int]] | None:
+        return deque() if self._sample_log is not None else None
+
+    def _log(self, keys: list[tuple[int, int]], step: int) -> None:
+        assert self._sample_log is not None
+        line = {"step": step, "groups": self.groups_present, "place": self.place}
+        self._sample_log.write(json.dumps({**line, "samples": keys}) + "\n")
+
+    def close(self) -> None:
+        """Leave the replica groups, saying where this group left them and with what weights
+        (the digest every group that reached the same step shares)."""
+        if self._sample_log is not None:
+            self._sample_log.close()
+        log.info(
+            f"replica group {self.group}: left at step {self.manager.current_step()}, "
+            f"weights digest {weights_digest(self.model)}"
+        )
+        self.manager.shutdown(wait=False)
+
+    def _state(self) -> dict[str, Any]:
+        return {"run": self._heal_state[0](), "digest": weights_digest(self.model)}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._heal_state[1](state["run"])
+        if weights_digest(self.model) != state["digest"]:
+            raise RuntimeError(
+                f"replica group {self.group}: the weights received from a live peer do not "
+                f"match its digest; this group stops and is healed again when it restarts"
+            )
+        self._healed_from = self.manager.current_step()
+
+
+def _shown(error: BaseException) -> str:
+    """A failed exchange's cause in a line: gloo's message without the source location it
+    begins with ("[.../pair.cc:561] Connection closed by peer ...")."""
+    line = first_line(error)
+    return line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+
+
+def _group_store(group_rank: int) -> tuple[str, int]:
+    """The address of the TCP store this group's Manager keeps its rendezvous in: one started
+    here on the group's first rank, its port shared with the group's other ranks. The host is
+    the group's own (MASTER_ADDR under torchrun), which the other groups connect to."""
+    from torch.distributed import TCPStore
+
+    host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+    port = 0
+    if group_rank == 0:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        _STORES.append(store)  # kept for the process's lifetime, as the Manager holds a client
+        port = store.port
+    return host, int(dist.broadcast_object(port))
+
+
+_STORES: list[Any] = []
+
+
+def _weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, reading a peer's state with torch's weights-only
+    loader: a heal receives tensors and plain values, never code to run (torchft's own reader
+    unpickles whatever the address serves)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnly(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return compat.stream_load_weights_only(f)
+
+    return WeightsOnly(timeout=timeout, num_chunks=0)

@@ -1,0 +1,115 @@
+"""A run launched as replica groups (parallel.replicas): where each group writes, and what a
+group that heals receives from a live peer.
+
+Group 0 is the run as it would be without replica groups: its run directory, records, metrics
+and checkpoints. Every other group writes only its own logs, in `replicas/group_<g>` inside that
+directory, and no checkpoint: it never resumes from one either, as it heals from a live peer
+before its first step (a run whose groups were all lost resumes from group 0's checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from dtrain.checkpoint import Contents
+from dtrain.config import Config
+from dtrain.core.errors import UserError
+from dtrain.parallel.replicas import (
+    Groups,
+    HealState,
+    OneGroup,
+    Replicas,
+    check_lighthouse,
+    group_of,
+    lighthouse_of,
+)
+from dtrain.process import dist
+from dtrain.process.layout import Layout
+
+FOLDER = "replicas"
+SAMPLE_LOG = "replica_samples"
+
+
+def this_group(cfg: Config) -> int | None:
+    """This launch's replica group, or None for a run without replica groups."""
+    section = cfg.parallel.replicas
+    if not section.groups:
+        return None
+    if cfg.run_url:
+        raise UserError(
+            "config error: parallel.replicas with run.out_dir in an object store is not "
+            "supported yet; use a shared disk for run.out_dir"
+        )
+    group = group_of(section, dict(os.environ))
+    # None known, or none answering: one line before anything starts.
+    check_lighthouse(lighthouse_of(section, dict(os.environ)), section.timeout_s)
+    return group
+
+
+def as_group(cfg: Config, group: int | None) -> Config:
+    """The config a group runs with: group 0's is the run's own; another group's run directory
+    is `replicas/group_<g>` inside the run's, and it neither saves nor resumes checkpoints."""
+    if not group:
+        return cfg
+    run = dataclasses.replace(
+        cfg.run, out_dir=os.path.join(cfg.run_dir, FOLDER), name=f"group_{group}"
+    )
+    ckpt = dataclasses.replace(cfg.ckpt, resume="none")
+    return dataclasses.replace(cfg, run=run, ckpt=ckpt)
+
+
+def build_replicas(
+    cfg: Config, group: int | None, layout: Layout, contents: Contents, step: int
+) -> Groups:
+    """The replica groups as this group's loop sees them (OneGroup without them)."""
+    if group is None:
+        return OneGroup()
+    return Replicas(
+        cfg.parallel.replicas,
+        group,
+        dist.rank(),
+        layout.world_size,
+        contents.model,
+        heal_state(contents),
+        step,
+        layout.batch_size * layout.grad_accum,
+        sample_log=(
+            os.path.join(cfg.run_dir, f"{SAMPLE_LOG}.rank{dist.rank()}.jsonl")
+            if cfg.parallel.replicas.sample_log
+            else None
+        ),
+    )
+
+
+def global_rank(group: int | None, layout: Layout) -> int:
+    """This rank's place among the ranks of every group, as one DDP run over them would number
+    it (its random state for dropout follows it)."""
+    return (group or 0) * layout.world_size + dist.rank()
+
+
+def heal_state(contents: Contents) -> HealState:
+    """What a live peer sends a healing group, and how the group takes it: the model, the
+    optimizer and every part a checkpoint holds, this rank's own (a group's rank r heals from
+    the donor's rank r)."""
+
+    def state() -> dict[str, Any]:
+        return {
+            "model": contents.model.state_dict(),
+            "optimizer": contents.optimizer.state_dict(),
+            "parts": {name: part.state_dict() for name, part in contents.parts.items()},
+            "sharded": {
+                name: part.state_dict(full=False) for name, part in contents.sharded.items()
+            },
+        }
+
+    def load(received: dict[str, Any]) -> None:
+        contents.model.load_state_dict(received["model"])
+        contents.optimizer.load_state_dict(received["optimizer"])
+        for name, part in contents.parts.items():
+            part.load_state_dict(received["parts"][name])
+        for name, sharded in contents.sharded.items():
+            sharded.load_state_dict(received["sharded"][name])
+
+    return state, load

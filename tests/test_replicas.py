@@ -1,0 +1,245 @@
+"""Replica groups (parallel.replicas) with torchft, real processes on gloo: a lighthouse started
+by `dtrain lighthouse`, each group a launch of its own. A failure-free run equals plain DDP on
+the same ranks bit for bit; a group killed with SIGKILL costs one replica, not the job: the other
+group steps on without a restart, the killed one is restarted by torchrun, heals from the live
+peer and ends with the same weights; the sample logs show every sample of every epoch trained
+exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (REPO, TINY, TRAIN, child_env, descendants, dtrain, final_weights,
+                      forkserver, free_port, latest, launch, torchrun_cmd)
+
+pytest.importorskip("torchft", reason="the 'replicas' extra (torchft) is part of the test set")
+
+HEARTBEAT_S = 2.0
+DIGEST = re.compile(r"replica group (\d+): left at step (\d+), weights digest ([0-9a-f]{64})")
+
+
+@pytest.fixture
+def lighthouse():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}",
+         f"--heartbeat-timeout-s={HEARTBEAT_S}"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert "lighthouse listening on" in line, line
+    yield f"http://127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+
+
+def group_args(run_dir: Path, address: str, group: int, extra: list[str]) -> list[str]:
+    return [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
+            "parallel.replicas.groups=2", f"parallel.replicas.group={group}",
+            f"parallel.replicas.lighthouse={address}", "parallel.replicas.sample_log=true",
+            "parallel.replicas.timeout_s=10", *extra]
+
+
+def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: Path,
+                torchrun: list[str] | None = None) -> subprocess.Popen:
+    prefix = torchrun if torchrun is not None else [sys.executable]
+    with open(log, "w") as out:
+        return forkserver.popen([*prefix, TRAIN, *group_args(run_dir, address, group, extra)],
+                                cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def steps_trained(run_dir: Path) -> dict[int, list[dict]]:
+    """Every committed step's lines of the sample logs of both groups (a killed process's and
+    its restart's lines in one file), by step."""
+    by_step: dict[int, list[dict]] = {}
+    for path in [run_dir / "replica_samples.rank0.jsonl",
+                 run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"]:
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            by_step.setdefault(entry["step"], []).append(entry)
+    return by_step
+
+
+def assert_every_sample_once(run_dir: Path, epochs: int, size: int, batch: int) -> Counter:
+    """Each step has one line per group present, in distinct places; over the run, every sample
+    of each epoch is trained exactly once (drop_last drops less than a step of the groups)."""
+    by_step = steps_trained(run_dir)
+    assert sorted(by_step) == list(range(1, max(by_step) + 1))
+    per_epoch: dict[int, Counter] = {}
+    groups_per_step: Counter = Counter()
+    for step, lines in by_step.items():
+        present = {line["groups"] for line in lines}
+        assert len(present) == 1, f"step {step}: groups disagree on who took part: {lines}"
+        assert sorted(line["place"] for line in lines) == list(range(present.pop())), step
+        groups_per_step[len(lines)] += 1
+        for line in lines:
+            assert 0 < len(line["samples"]) <= batch  # (a short step after a change)
+            for epoch, index in line["samples"]:
+                per_epoch.setdefault(epoch, Counter())[index] += 1
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, counts in per_epoch.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: a sample trained twice"
+        # drop_last: a whole number of steps of the groups present; never more than a step lost
+        assert size - 2 * batch < len(counts) <= size, (epoch, len(counts))
+    return groups_per_step
+
+
+def digests(*logs: Path) -> dict[int, tuple[int, str]]:
+    found = {}
+    for log in logs:
+        for group, step, digest in DIGEST.findall(log.read_text()):
+            found[int(group)] = (int(step), digest)
+    return found
+
+
+@pytest.mark.slow
+def test_replica_groups_equal_plain_ddp_and_train_every_sample_once(tmp_path, lighthouse):
+    # Both groups from the first step (a group alone would take step 1 by itself).
+    extra = ["train.epochs=2", "parallel.replicas.min_groups=2"]
+    run_dir = tmp_path / "replicas"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    procs = [start_group(run_dir, lighthouse, g, extra, logs[g]) for g in (0, 1)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0], logs[0].read_text()[-3000:]
+    ddp = launch(tmp_path / "ddp", ["train.epochs=2"], nproc=2)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+
+    # The same weights as DDP over the same two ranks, bit for bit; both groups agree.
+    ours, plain = final_weights(run_dir), final_weights(tmp_path / "ddp")
+    assert all(torch.equal(ours[k], plain[k]) for k in plain)
+    found = digests(*logs)
+    assert found[0] == found[1] and found[0][0] == 32
+    assert_every_sample_once(run_dir, epochs=2, size=512, batch=16)
+    # Group 0 writes the run; group 1 only its logs, no checkpoint.
+    assert (run_dir / "checkpoints" / "latest").exists()
+    assert not (run_dir / "replicas" / "group_1" / "checkpoints" / "latest").exists()
+    assert "healed from a live peer" not in logs[0].read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_group_costs_one_replica_and_heals_from_its_peer(tmp_path, lighthouse):
+    # A paced model (0.1 s a forward): 4096 samples of 16 a group, 128 steps with both groups.
+    extra = ["model.name=observe_models:slow_cnn", "model.args={width: 8, delay_s: 0.1}",
+             "data.synthetic.train_size=4096", "train.epochs=1"]
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    group0 = start_group(run_dir, lighthouse, 0, extra, logs[0], torchrun_cmd(1))
+    group1 = start_group(run_dir, lighthouse, 1, extra, logs[1],
+                         torchrun_cmd(1, extra=["--max-restarts=1"]))
+    metrics = run_dir / "metrics.jsonl"
+    together = run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"
+
+    def last_step() -> int:
+        if not metrics.exists():
+            return 0
+        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()
+                 if line.endswith("}")]
+        return max(steps, default=0)
+
+    def both_stepping() -> bool:  # group 1 took part in 10 steps, group 0 logged step 20
+        return (together.exists() and together.read_text().count('"groups": 2') >= 10
+                and last_step() >= 20)
+
+    deadline = time.monotonic() + 180
+    while not both_stepping():
+        assert group0.poll() is None and group1.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    workers = descendants(group1.pid)  # torchrun's rank (the agent itself lives on)
+    assert workers, "group 1's worker was not found"
+    at_kill = last_step()
+    killed = time.monotonic()
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    while last_step() < at_kill + 2:  # the step under way, then one without group 1
+        assert group0.poll() is None and time.monotonic() - killed < 60
+        time.sleep(0.02)
+    went_on_s = time.monotonic() - killed
+
+    assert group0.wait(timeout=300) == 0, logs[0].read_text()[-3000:]
+    assert group1.wait(timeout=300) == 0, logs[1].read_text()[-3000:]
+    first, second = logs[0].read_text(), logs[1].read_text()
+    # Group 0 never restarted (one start); group 1 started twice and healed after the restart.
+    assert first.count("dtrain | torchrun") == 1 and second.count("dtrain | torchrun") == 2
+    assert "replica groups: 2 -> 1 present" in first
+    assert "healed from a live peer" in second.split("dtrain | torchrun")[2]
+    found = digests(*logs)
+    assert found[0] == found[1], found
+    groups = assert_every_sample_once(run_dir, epochs=1, size=4096, batch=16)
+    assert groups[1] >= 1 and groups[2] >= 1  # steps alone and steps together
+    print(f"group 0 stepped on {went_on_s:.1f} s after the kill (heartbeat {HEARTBEAT_S:g} s)")
+
+
+def test_bad_replica_settings_are_one_line_each(tmp_path):
+    cases = [
+        (["parallel.replicas.groups=2"], "this launch's group is not known"),
+        (["parallel.replicas.groups=2", "parallel.replicas.group=2"],
+         "replica group 2 is not one of the 2"),
+        (["parallel.replicas.groups=2", "parallel.replicas.group=0"], "needs a lighthouse"),
+    ]
+    for overrides, message in cases:
+        result = launch(tmp_path / "bad", overrides)
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = [line for line in result.stderr.splitlines() if "error" in line]
+        assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+        assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_no_lighthouse_at_the_start_is_one_line_and_writes_nothing(tmp_path):
+    result = launch(tmp_path / "run", ["parallel.replicas.groups=2", "parallel.replicas.group=0",
+                                       f"parallel.replicas.lighthouse=127.0.0.1:{free_port()}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "lighthouse" in line]
+    assert len(lines) == 1 and "no lighthouse answers at http://127.0.0.1:" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_lighthouse_lost_mid_run_ends_the_groups_in_one_line_with_the_checkpoint_kept(
+        tmp_path):
+    port = free_port()
+    address = f"http://127.0.0.1:{port}"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}"], cwd=REPO,
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert "listening" in lighthouse.stdout.readline()
+    extra = ["model.name=observe_models:slow_cnn", "model.args={width: 8, delay_s: 0.05}",
+             "data.synthetic.train_size=4096", "ckpt.every_steps=5",
+             "parallel.replicas.timeout_s=3"]
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    groups = [start_group(run_dir, address, g, extra, logs[g]) for g in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert time.monotonic() < deadline and groups[0].poll() is None
+        time.sleep(0.05)
+    lighthouse.kill()
+    lighthouse.wait()
+    assert [g.wait(timeout=120) for g in groups] == [1, 1]
+    for log in logs:
+        text = log.read_text()
+        assert "no quorum from the lighthouse at " + address in text, text[-2000:]
+        assert "Traceback" not in text
+    kept = json.loads((latest(run_dir) / "COMPLETE").read_text())
+    assert kept["step"] >= 5
+
+
+def test_lighthouse_on_a_taken_port_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = dtrain("lighthouse", f"--port={port}", timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "cannot listen on port" in result.stderr
