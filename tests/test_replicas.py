@@ -51,8 +51,10 @@ def group_args(run_dir: Path, address: str, group: int, extra: list[str]) -> lis
 
 
 def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: Path,
-                torchrun: list[str] | None = None) -> subprocess.Popen:
-    prefix = torchrun if torchrun is not None else [sys.executable]
+                torchrun: list[str] | None = None, host: list[str] | None = None):
+    """One replica group: a plain process, or under `torchrun`; `host` (a command that runs
+    what follows on another test host) before it."""
+    prefix = [*(host or []), *(torchrun if torchrun is not None else [sys.executable])]
     with open(log, "w") as out:
         return forkserver.popen([*prefix, TRAIN, *group_args(run_dir, address, group, extra)],
                                 cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -170,7 +172,10 @@ def test_a_killed_group_costs_one_replica_and_heals_from_its_peer(tmp_path, ligh
     first, second = logs[0].read_text(), logs[1].read_text()
     # Group 0 never restarted (one start); group 1 started twice and healed after the restart.
     assert first.count("dtrain | torchrun") == 1 and second.count("dtrain | torchrun") == 2
-    assert "replica groups: 2 -> 1 present" in first
+    # Group 0 saw the loss: the step under way was not committed, or (killed between steps)
+    # the next quorum had one group; a restart quicker than the heartbeat timeout may rejoin
+    # before the lighthouse ever drops the group.
+    assert "not committed" in first or "replica groups: 2 -> 1 present" in first
     assert "healed from a live peer" in second.split("dtrain | torchrun")[2]
     found = digests(*logs)
     assert found[0] == found[1], found

@@ -215,7 +215,8 @@ class Replicas(Groups):
 
     def _manager(self, manager: Any, process_group: Any, group_rank: int, group_size: int) -> Any:
         timeout = timedelta(seconds=self.section.timeout_s)
-        host, port = _group_store(group_rank)
+        host = advertised_host(self.lighthouse)
+        port = _group_store(group_rank, host)
         return manager(
             pg=process_group(timeout=timeout),
             load_state_dict=self._load,
@@ -232,7 +233,7 @@ class Replicas(Groups):
             lighthouse_addr=self.lighthouse,
             replica_id=f"group_{self.group}",
             hostname=host,
-            checkpoint_transport=_weights_only_transport(timeout),
+            checkpoint_transport=_weights_only_transport(timeout, host),
         )
 
     def regroup(self, step: int) -> bool:
@@ -336,28 +337,40 @@ def _shown(error: BaseException) -> str:
     return line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
 
 
-def _group_store(group_rank: int) -> tuple[str, int]:
-    """The address of the TCP store this group's Manager keeps its rendezvous in: one started
-    here on the group's first rank, its port shared with the group's other ranks. The host is
-    the group's own (MASTER_ADDR under torchrun), which the other groups connect to."""
+def advertised_host(lighthouse: str) -> str:
+    """The address the other groups reach this host at: the one of the interface that routes to
+    the lighthouse (which every group reaches), not the host's name, which hosts in containers
+    or network namespaces may share."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(lighthouse)
+    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((parts.hostname or "", parts.port or 80))  # (a route, no packet sent)
+        return str(probe.getsockname()[0])
+
+
+def _group_store(group_rank: int, host: str) -> int:
+    """The port of the TCP store this group's Manager keeps its rendezvous in, at `host`: one
+    started here on the group's first rank, its port shared with the group's other ranks; the
+    other groups connect to it when the quorum changes."""
     from torch.distributed import TCPStore
 
-    host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     port = 0
     if group_rank == 0:
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         _STORES.append(store)  # kept for the process's lifetime, as the Manager holds a client
         port = store.port
-    return host, int(dist.broadcast_object(port))
+    return int(dist.broadcast_object(port))
 
 
 _STORES: list[Any] = []
 
 
-def _weights_only_transport(timeout: timedelta) -> Any:
+def _weights_only_transport(timeout: timedelta, host: str) -> Any:
     """torchft's HTTP checkpoint transport, reading a peer's state with torch's weights-only
     loader: a heal receives tensors and plain values, never code to run (torchft's own reader
-    unpickles whatever the address serves)."""
+    unpickles whatever the address serves); its address names `host`, not the host's name."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class WeightsOnly(HTTPTransport):
@@ -365,5 +378,10 @@ def _weights_only_transport(timeout: timedelta) -> Any:
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return compat.stream_load_weights_only(f)
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}/checkpoint/"
 
     return WeightsOnly(timeout=timeout, num_chunks=0)

@@ -3,8 +3,9 @@ group that heals receives from a live peer.
 
 Group 0 is the run as it would be without replica groups: its run directory, records, metrics
 and checkpoints. Every other group writes only its own logs, in `replicas/group_<g>` inside that
-directory, and no checkpoint: it never resumes from one either, as it heals from a live peer
-before its first step (a run whose groups were all lost resumes from group 0's checkpoints).
+directory, and no checkpoint: it starts from group 0's newest checkpoint and heals from a live
+peer before its first step (a run whose groups were all lost resumes from group 0's
+checkpoints).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from dtrain.checkpoint import Contents
 from dtrain.config import Config
 from dtrain.core.errors import UserError
+from dtrain.files.store import Store
 from dtrain.parallel.replicas import (
     Groups,
     HealState,
@@ -50,13 +52,16 @@ def this_group(cfg: Config) -> int | None:
 
 def as_group(cfg: Config, group: int | None) -> Config:
     """The config a group runs with: group 0's is the run's own; another group's run directory
-    is `replicas/group_<g>` inside the run's, and it neither saves nor resumes checkpoints."""
+    is `replicas/group_<g>` inside the run's, it saves no checkpoint, and it starts from group
+    0's newest one (read only) where there is one: close to the live groups it then heals from,
+    and at the run's end when the run has finished (it then trains nothing)."""
     if not group:
         return cfg
     run = dataclasses.replace(
         cfg.run, out_dir=os.path.join(cfg.run_dir, FOLDER), name=f"group_{group}"
     )
-    ckpt = dataclasses.replace(cfg.ckpt, resume="none")
+    saved = Store(cfg.run_dir).complete()
+    ckpt = dataclasses.replace(cfg.ckpt, resume=saved[0].path if saved else "none")
     return dataclasses.replace(cfg, run=run, ckpt=ckpt)
 
 
