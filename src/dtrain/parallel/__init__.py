@@ -1,7 +1,8 @@
 """How the model is spread over the ranks: the parallel strategy (none, DDP, FSDP, HSDP) that
 lays the ranks out, builds and wraps the model and answers what differs between the modes in the
 loop and in `dtrain plan`; the blocks FSDP shards, BatchNorm across ranks, shard-by-shard
-construction (`sharded_init`) and the run's numeric precision (`precision`).
+construction (`sharded_init`), the run's numeric precision (`precision`), and the replica groups
+that step on when one is lost (`replicas`, torchft).
 
 Outside this package nothing branches on `parallel.mode`: the run asks `mesh` for the layout's
 mesh, then `strategy` for the object that builds its model.
