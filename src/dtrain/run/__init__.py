@@ -4,7 +4,8 @@ hands it over, in the order of a run, and takes them apart at the end:
 config -> env -> layout -> dist -> run directory (lock, shared storage) -> pieces (data, task,
 model wrapped for the parallel mode, starting weights) -> optimizer and schedule -> checkpointer
 and its parts -> resume or start -> the run's record and config.yaml -> callbacks, the replica
-groups and the trainer's components -> Trainer.fit() -> the record's last update -> (requeue) -> dist.shutdown()
+groups and the trainer's components -> Trainer.fit() -> the record's last update -> (requeue)
+-> dist.shutdown()
 
 `components` builds the trainer's components, `resume` what a resume changes beyond the
 checkpoint, `pieces` what is trained, `records` the runs table, `remote` a run in an object store,
