@@ -7,6 +7,7 @@ exactly once."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -19,9 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 from conftest import (REPO, TINY, TRAIN, child_env, descendants, dtrain, final_weights,
                       forkserver, free_port, latest, launch, torchrun_cmd)
+
+from dtrain.data import ImageDataset, Transform, synthetic
+
+sys.path.insert(0, str(REPO / "bench"))
+import job  # noqa: E402 - the hand-written loop's model, data and optimizer
 
 pytest.importorskip("torchft", reason="the 'replicas' extra (torchft) is part of the test set")
 
@@ -97,6 +105,39 @@ def assert_every_sample_once(run_dir: Path, epochs: int, size: int, batch: int) 
     return groups_per_step
 
 
+def replayed(by_step: dict[int, list[dict]], train_size: int) -> dict[str, torch.Tensor]:
+    """The run's final weights by a plain hand-written loop (bench/job.py's model, data and
+    SGD), replaying the sample logs: at each committed step, each group's batch of the logged
+    keys, its gradient scaled by 1/groups, summed in the groups' order, one optimizer step. In
+    one thread, as the runs have (child_env): a kernel's sums depend on how it splits them."""
+    args = argparse.Namespace(seed=0, width=8, lr=0.05, momentum=0.9, weight_decay=5e-4)
+    images, labels = synthetic.generate(train_size, "train")
+    dataset = ImageDataset(images, labels, Transform("cifar", 32, True, 0))
+    model = job.model(args)
+    optimizer = job.optimizer(model, args)
+    params = list(model.parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in sorted(by_step):
+            lines = sorted(by_step[step], key=lambda line: line["place"])
+            total = None
+            for line in lines:
+                x, y = default_collate([dataset[tuple(key)] for key in line["samples"]])
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(model(job.normalize(x)), y).backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in params]).mul_(1.0 / len(lines))
+                total = flat if total is None else total + flat
+            offset = 0
+            for p in params:
+                p.grad.copy_(total[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
 def digests(*logs: Path) -> dict[int, tuple[int, str]]:
     found = {}
     for log in logs:
@@ -122,6 +163,8 @@ def test_replica_groups_equal_plain_ddp_and_train_every_sample_once(tmp_path, li
     found = digests(*logs)
     assert found[0] == found[1] and found[0][0] == 32
     assert_every_sample_once(run_dir, epochs=2, size=512, batch=16)
+    plain_replay = replayed(steps_trained(run_dir), 512)
+    assert all(torch.equal(ours[k], plain_replay[k]) for k in plain_replay)
     # Group 0 writes the run; group 1 only its logs, no checkpoint.
     assert (run_dir / "checkpoints" / "latest").exists()
     assert not (run_dir / "replicas" / "group_1" / "checkpoints" / "latest").exists()
@@ -181,6 +224,9 @@ def test_a_killed_group_costs_one_replica_and_heals_from_its_peer(tmp_path, ligh
     assert found[0] == found[1], found
     groups = assert_every_sample_once(run_dir, epochs=1, size=4096, batch=16)
     assert groups[1] >= 1 and groups[2] >= 1  # steps alone and steps together
+    # Bit for bit what a plain loop trains with the same membership changes, step by step.
+    final, replay = final_weights(run_dir), replayed(steps_trained(run_dir), 4096)
+    assert all(torch.equal(final[k], replay[k]) for k in replay)
     print(f"group 0 stepped on {went_on_s:.1f} s after the kill (heartbeat {HEARTBEAT_S:g} s)")
 
 
