@@ -115,7 +115,8 @@ def test_a_killed_group_is_started_again_by_the_script_and_heals(tmp_path: Path)
     assert "replica group 0 ended" not in output and "dtrain: every replica group finished" in output
     # Group 0 started once and went on alone; group 1 twice, healed after its second start.
     assert first.count("dtrain | slurm") == 1 and second.count("dtrain | slurm") == 2
-    assert "replica groups: 2 -> 1 present" in first
+    # (the step under way not committed, or the next quorum without group 1)
+    assert "not committed" in first or "replica groups: 2 -> 1 present" in first
     assert "healed from a live peer" in second.split("dtrain | slurm")[2]
     found = digests(*group_logs(job))
     assert found[0] == found[1] and found[0][0] >= 128, found
