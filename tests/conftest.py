@@ -307,6 +307,7 @@ def fill_disk(folder: Path) -> None:
 # at once would wait for each other's nodes). The one-node cluster is not on the test hosts;
 # the two-node one is.
 SERVICES = {"tests/test_slurm.py": "one-node SLURM", "tests/test_sweep.py": "one-node SLURM",
+            "tests/test_slurm_replicas.py": "one-node SLURM",
             "tests/test_multinode.py": "test hosts", "tests/test_elastic.py": "test hosts"}
 
 
@@ -314,7 +315,8 @@ SERVICES = {"tests/test_slurm.py": "one-node SLURM", "tests/test_sweep.py": "one
 # workers start them first, so that none begins a long file while the others are done. The
 # rest follow in collection order. A stale order costs minutes, never a result.
 LONGEST_FIRST = ("tests/test_multinode.py", "tests/test_elastic.py", "tests/test_slurm.py",
-                 "tests/test_sweep.py", "tests/test_integrity.py", "tests/test_export_formats.py",
+                 "tests/test_sweep.py", "tests/test_replicas.py", "tests/test_replicas_hosts.py",
+                 "tests/test_integrity.py", "tests/test_export_formats.py",
                  "tests/test_checkpoint.py", "tests/test_faults.py", "tests/test_tokens.py",
                  "tests/test_fsdp_scale.py", "tests/test_hf.py", "tests/test_images.py",
                  "tests/test_eval.py", "tests/test_ema.py", "tests/test_tasks.py",

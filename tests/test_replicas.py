@@ -71,12 +71,19 @@ def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: 
 
 def steps_trained(run_dir: Path) -> dict[int, list[dict]]:
     """Every committed step's lines of the sample logs of both groups (a killed process's and
-    its restart's lines in one file), by step."""
+    its restart's lines in one file; a line that a retraction follows left out), by step."""
     by_step: dict[int, list[dict]] = {}
     for path in [run_dir / "replica_samples.rank0.jsonl",
                  run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"]:
+        kept: list[dict] = []
         for line in path.read_text().splitlines():
             entry = json.loads(line)
+            if entry.get("retracted"):  # the step just logged was not committed after all
+                assert kept and kept[-1]["step"] == entry["step"], entry
+                kept.pop()
+            else:
+                kept.append(entry)
+        for entry in kept:
             by_step.setdefault(entry["step"], []).append(entry)
     return by_step
 

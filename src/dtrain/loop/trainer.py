@@ -163,11 +163,10 @@ class Trainer:
             last_in_epoch = done == last_done
             at_log_step = (state.step + 1) % train.log_every == 0
             check = (state.step + 1) % train.check_every_steps == 0 or last_in_epoch
-            times = self._train_step(batches, wants_norm=at_log_step or check)
+            times = self._train_step(batches, at_log_step or check, last_in_epoch)
             if times is None:  # not committed by every group: trained again after a regroup
                 epoch_finished = False
                 break
-            self.replicas.trained(state.step + 1, loaders.train_sampler, last_in_epoch)
             if not self._first_step_done:
                 self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
                 self._first_step_done = True
@@ -206,7 +205,9 @@ class Trainer:
             self._save()
 
     # -----------------------------------------------------------------------------------------
-    def _train_step(self, batches: Iterator, wants_norm: bool = True) -> StepTimes | None:
+    def _train_step(
+        self, batches: Iterator, wants_norm: bool = True, last_in_epoch: bool = False
+    ) -> StepTimes | None:
         """One optimizer step. Between checks it never waits for the device: the loss, whether
         the step was non-finite, and the gradient norm stay on the device (`Pending`). The norm
         is computed where clipping needs it or `wants_norm` (a check follows, which reads it)."""
@@ -255,6 +256,8 @@ class Trainer:
         assert step_loss is not None  # grad_accum >= 1
         where.phase = "replica groups"
         self.replicas.average(model)
+        sampler = self.feed.loaders.train_sampler
+        self.replicas.trained(self.state.step + 1, sampler, last_in_epoch)
         if not self.replicas.commit():
             optimizer.zero_grad(set_to_none=True)
             return None

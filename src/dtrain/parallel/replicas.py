@@ -144,9 +144,11 @@ class Groups:
         return None
 
     def trained(self, step: int, sampler: ResumableSampler, last_in_epoch: bool) -> None:
-        """After a committed step: its sample keys on this rank, where they are logged. The
-        loader batches the sampler's keys in order, so a step's are the next ones (the
-        epoch's last step takes what is left)."""
+        """A step's sample keys on this rank, where they are logged: once its exchange has
+        finished, before the commit (a group killed between the two, whose gradients the
+        others took, keeps its line; a step that its group then does not commit gets a line
+        that retracts it). The loader batches the sampler's keys in order, so a step's are
+        the next ones (the epoch's last step takes what is left)."""
         if sampler.served is None:
             return
         served = sampler.served
@@ -197,6 +199,7 @@ class Replicas(Groups):
         self._quorum_for: int | None = None
         self._healed_from: int | None = None
         self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
+        self._logged: int | None = None  # the step of the sample log's last line
         # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
         self._sample_log = (
             open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
@@ -291,6 +294,7 @@ class Replicas(Groups):
         committed = bool(self.manager.should_commit())
         if not committed:  # the step is tried again, after a quorum of its own
             self._quorum_for = None
+            self._retract(self.manager.current_step() + 1)
             cause = _shown(error.original_exception) if error else "a group did not finish it"
             log.warning(
                 f"replica group {self.group}: step {self.manager.current_step() + 1} not "
@@ -303,8 +307,16 @@ class Replicas(Groups):
 
     def _log(self, keys: list[tuple[int, int]], step: int) -> None:
         assert self._sample_log is not None
+        if self.manager.errored():  # an exchange that failed: the step will not be committed
+            return
         line = {"step": step, "groups": self.groups_present, "place": self.place}
         self._sample_log.write(json.dumps({**line, "samples": keys}) + "\n")
+        self._logged = step
+
+    def _retract(self, step: int) -> None:
+        if self._sample_log is not None and self._logged == step:
+            line = {"step": step, "groups": self.groups_present, "place": self.place}
+            self._sample_log.write(json.dumps({**line, "retracted": True}) + "\n")
 
     def close(self) -> None:
         """Leave the replica groups, saying where this group left them and with what weights

@@ -163,7 +163,7 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
         outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks, group)
-        if outcome == "preempted" and dist.is_main():
+        if outcome == "preempted" and dist.is_main() and not group:  # group 0 owns the job
             slurm.after_preemption(
                 cfg.slurm.requeue, env
             )  # the checkpoint is complete: requeue the job
