@@ -182,10 +182,7 @@ def _torchao_config(folder: str, scheme: str) -> Any:
         return transformers.TorchAoConfig(linear)
     name = next(n for n, module in skeleton.named_modules() if module is embedding)
     ao = quantize.library(f"dtrain export --format hf --quantize {scheme}").quantization
-    with warnings.catch_warnings():
-        # torchao deprecates `_default` (every other layer), which is how transformers reads
-        # the config of the layers not named: nothing a user can act on.
-        warnings.filterwarnings("ignore", message="Config Deprecation: _default")
+    with _default_layers_accepted():
         per_layer = ao.FqnToConfig({name: quantize.embedding_config(), "_default": linear})
     return transformers.TorchAoConfig(per_layer, include_input_output_embeddings=True)
 
@@ -194,10 +191,21 @@ def load_hf_folder(path: str) -> nn.Module:
     """The Hugging Face folder at `path`, loaded by transformers as a user would (by the class
     its config.json's `architectures` names, what AutoModelFor... picks; a quantized folder's
     `quantization_config` applied as transformers reads it), in eval mode."""
-    model = _model_class(path).from_pretrained(
-        path, device_map="cpu", local_files_only=True, trust_remote_code=False
-    )
+    with _default_layers_accepted():  # the config is read back as it was written
+        model = _model_class(path).from_pretrained(
+            path, device_map="cpu", local_files_only=True, trust_remote_code=False
+        )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_layers_accepted() -> Iterator[None]:
+    """torchao warns that `_default` (the config of every layer not named) is deprecated each
+    time an FqnToConfig is made, written or read back; it is how transformers' TorchAoConfig
+    takes the config of the layers it does not name: nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Config Deprecation: _default")
+        yield
 
 
 def _model_class(folder: str) -> Any:
