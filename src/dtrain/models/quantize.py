@@ -50,7 +50,8 @@ COMPILE_SETTINGS: dict[str, Any] = {"freezing": True, "force_fuse_int_mm_with_mu
 @dataclass(frozen=True)
 class Scheme:
     """A quantization scheme: what it does, the layers it quantizes, whether it needs
-    calibration batches, whether it runs on the CPU."""
+    calibration batches, whether it runs on the CPU, whether it puts the embeddings in int8
+    too (`quantize_embeddings`)."""
 
     name: str
     does: str
