@@ -133,6 +133,77 @@ def test_each_format_and_scheme_loads_and_gives_the_metric_dtrain_printed(family
     for name in ("val_acc", "val_loss") if family == "cnn" else ("val_loss",):
         found = recomputed(run_dir, out, fmt, name)
         assert found == pytest.approx(result["metrics_after"][name], abs=1e-5), name
+    if family == "gpt" and scheme == "int8-dynamic":
+        # The token table and the head tied to it: one int8 tensor in the file, no float copy.
+        floats, int8 = token_tables(out, fmt)
+        assert floats == [] and int8 == 1, (floats, int8)
+
+
+# The GPT's token table: 256 byte ids x dim 32.
+TOKEN_TABLE = [256, 32]
+
+
+def token_tables(path: Path, fmt: str) -> tuple[list[str], int]:
+    """The names of the file's float tensors shaped like the GPT's token table, and how many
+    int8 ones it stores (tensors that share storage counted once)."""
+    if fmt == "onnx":
+        import onnx
+
+        tables = [i for i in onnx.load(str(path)).graph.initializer if list(i.dims) == TOKEN_TABLE]
+        floats = [i.name for i in tables if i.data_type == onnx.TensorProto.FLOAT]
+        return floats, sum(i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+                           for i in tables)
+    state = torch.export.load(str(path)).state_dict
+    tables = {n: t for n, t in state.items() if list(t.shape) == TOKEN_TABLE}
+    floats = [n for n, t in tables.items() if type(t) in (torch.Tensor, torch.nn.Parameter)
+              and t.is_floating_point()]
+    stored = {t.untyped_storage().data_ptr() for t in tables.values() if t.dtype == torch.int8}
+    return floats, len(stored)
+
+
+def test_a_run_in_an_object_store_quantizes_to_the_store(s3, runs, tmp_path):
+    """A run in an object store (the S3 server): the quantized file goes up to --out in the
+    store, its figures to the run's evals/ there (from --run-dir or from one of its checkpoints
+    by URL); the file downloaded loads and its metric is the figures'; an --out that is already
+    there is one line, exit 2, nothing written."""
+    fs, bucket = s3.fs(), s3.bucket()
+    local = runs("gpt", GPT)
+    run = f"s3://{bucket}/runs/gpt"
+    fs.put(str(local), f"{bucket}/runs/gpt", recursive=True)
+    kept_here = len(evals_of(local))
+    out = f"s3://{bucket}/exports/gpt-int8.onnx"
+    args = ["--format", "onnx", "--quantize", "int8-dynamic", "--out", out]
+    made = export("--run-dir", run, *args, env=s3.env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    line = made.stdout.strip().splitlines()[-1]
+    assert f"-> {out}; figures in {run}/evals/" in line and "dtrain-export-" not in line, line
+    figures = line.rsplit("figures in ", 1)[1]
+    result = json.loads(fs.cat(figures.removeprefix("s3://")))
+    assert result["format"] == "onnx" and result["checkpoint"].startswith(f"{run}/checkpoints/")
+    fs.get(out.removeprefix("s3://"), str(tmp_path / "m.onnx"))
+    assert result["size_bytes_after"] == os.path.getsize(tmp_path / "m.onnx")
+    assert recomputed(local, tmp_path / "m.onnx", "onnx", "val_loss") == pytest.approx(
+        result["metrics_after"]["val_loss"], abs=1e-5)
+
+    there = sorted(fs.find(bucket))
+    again = export("--run-dir", run, *args, env=s3.env)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [
+        f"dtrain: export error: --out {out} already exists in the store; an export never "
+        f"replaces: name a new one"]
+    assert sorted(fs.find(bucket)) == there
+
+    checkpoint = result["checkpoint"]
+    program = tmp_path / "m.pt2"
+    made = export("--checkpoint", checkpoint, "--format", "exported", "--quantize",
+                  "int8-weight", "--out", str(program), "--latency", "eager", env=s3.env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    figures = made.stdout.strip().splitlines()[-1].rsplit("figures in ", 1)[1]
+    assert figures.startswith(f"{run}/evals/"), figures
+    result = json.loads(fs.cat(figures.removeprefix("s3://")))
+    assert recomputed(local, program, "exported", "val_loss") == pytest.approx(
+        result["metrics_after"]["val_loss"], abs=1e-5)
+    assert len(evals_of(local)) == kept_here  # the copy here is not the run
 
 
 def test_a_drop_beyond_max_drop_exits_1_with_the_figures_and_writes_nothing(runs, tmp_path):
@@ -367,12 +438,16 @@ def test_an_hf_run_exports_a_quantized_folder_that_transformers_loads(scheme, ll
     result = evals_of(llama_run)[-1]
     assert set(result) == FIELDS and (result["format"], result["scheme"]) == ("hf", scheme)
     saved = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert saved["quant_method"] == "torchao"
-    assert saved["quant_type"]["default"]["_type"] == torchao_name(scheme)
+    assert saved["quant_method"] == "torchao" and saved["include_input_output_embeddings"]
+    # The Linear layers (the output head among them) by the scheme's config, the untied input
+    # embedding by the embeddings' int8 config.
+    per_layer = saved["quant_type"]["default"]["_data"]["fqn_to_config"]
+    assert per_layer["_default"]["_type"] == torchao_name(scheme)
+    assert per_layer["model.embed_tokens"]["_type"] == "IntxWeightOnlyConfig"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
                                                      "model.safetensors"]
     assert result["size_bytes_after"] == sum(p.stat().st_size for p in out.iterdir())
-    assert result["size_bytes_after"] < result["size_bytes_before"]
+    assert result["size_bytes_after"] < 0.35 * result["size_bytes_before"]
     assert result["drop"] <= 2.0
     assert recomputed_folder(llama_run, out) == pytest.approx(
         result["metrics_after"]["val_loss"], abs=1e-5)

@@ -86,6 +86,30 @@ def test_linear_schemes_quantize_the_linear_weights() -> None:
         assert type(weight).__name__ == "Int8Tensor", scheme
 
 
+def test_int8_schemes_quantize_the_embeddings_and_a_tied_head_keeps_one_tensor(tmp_path) -> None:
+    """The token embedding and the head tied to it share one int8 tensor, which the saved
+    program stores once and loads back shared; the position embedding is int8 too."""
+    for scheme in ("int8-dynamic", "int8-weight"):
+        model = gpt()
+        quantized = quantize.quantize(model, scheme, [])
+        assert model.head.weight is model.tok_emb.weight  # the caller's tie is left as it was
+        assert type(quantized.pos_emb.weight).__name__ == "IntxUnpackedToInt8Tensor"
+        int8 = [layer.parametrizations.weight.original0 for layer in (quantized.tok_emb,
+                                                                      quantized.head)]
+        assert int8[0].dtype == torch.int8 and int8[0].shape == model.tok_emb.weight.shape
+        assert int8[0].data_ptr() == int8[1].data_ptr()
+        batch = tokens(1)[0]
+        path = tmp_path / f"{scheme}.pt2"
+        torch.export.save(torch.export.export(quantized, (batch,)), path)
+        loaded = torch.export.load(path)
+        tables = [loaded.state_dict[f"{layer}.parametrizations.weight.original0"]
+                  for layer in ("tok_emb", "head")]
+        assert tables[0].untyped_storage().data_ptr() == tables[1].untyped_storage().data_ptr()
+        with torch.no_grad():
+            assert torch.equal(loaded.module()(batch), quantized(batch))
+            assert error(quantized(batch), model(batch)) < MAX_ERROR[scheme]
+
+
 def test_latency_is_a_median_in_milliseconds() -> None:
     assert quantize.latency(cnn(), images(2), compiled=False) > 0
 

@@ -2,10 +2,11 @@
 quantization-aware training inserts, through torchao (extra `[quant]`).
 
 Post-training schemes (`SCHEMES`): torchao's `quantize_` configs for the Linear layers
-(int8-dynamic, int8-weight, int4-weight), and static int8 for convolutions and Linear layers
-through torch.export and torchao's PT2E flow with its x86 inductor quantizer, calibrated on
-batches the caller gives (int8-static). `quantize` works on a copy: the caller's model is left
-as it was.
+(int8-dynamic, int8-weight, int4-weight; the int8 ones quantize the embeddings too, a Linear
+layer tied to an embedding keeping one int8 tensor with it), and static int8 for convolutions
+and Linear layers through torch.export and torchao's PT2E flow with its x86 inductor quantizer,
+calibrated on batches the caller gives (int8-static). `quantize` works on a copy: the caller's
+model is left as it was.
 
 Any speed of an int8 model comes from a compiled path: run eagerly, the int8 tensors are
 quantized and dequantized op by op and are slower than fp32; what inductor gains by fusing them
@@ -49,13 +50,15 @@ COMPILE_SETTINGS: dict[str, Any] = {"freezing": True, "force_fuse_int_mm_with_mu
 @dataclass(frozen=True)
 class Scheme:
     """A quantization scheme: what it does, the layers it quantizes, whether it needs
-    calibration batches, whether it runs on the CPU."""
+    calibration batches, whether it runs on the CPU, whether it puts the embeddings in int8
+    too (`quantize_embeddings`)."""
 
     name: str
     does: str
     layers: tuple[type[nn.Module], ...]
     calibrates: bool
     cpu: bool
+    embeddings: bool = False
 
     @property
     def layer_names(self) -> str:
@@ -72,6 +75,7 @@ SCHEMES = {
             (nn.Linear,),
             calibrates=False,
             cpu=True,
+            embeddings=True,
         ),
         Scheme(
             "int8-weight",
@@ -80,6 +84,7 @@ SCHEMES = {
             (nn.Linear,),
             calibrates=False,
             cpu=True,
+            embeddings=True,
         ),
         Scheme(
             "int8-static",
@@ -139,10 +144,53 @@ def quantize(model: nn.Module, scheme: str, example_batches: Sequence[Batch]) ->
         return _static_int8(quantized, example_batches)
     if chosen.name == "int4-weight":
         quantized = quantized.to(torch.bfloat16)  # the int4 kernel's activations
+    tied = tied_heads(quantized)
     library(f"quantize {chosen.name}").quantization.quantize_(
         quantized, torchao_config(chosen.name)
     )
-    return quantized
+    return quantize_embeddings(quantized, chosen.name, tied)
+
+
+def tied_heads(model: nn.Module) -> list[tuple[str, str]]:
+    """(Linear layer, embedding) by their names, for each Linear layer whose weight is an
+    embedding's (an output head tied to the token embedding): found before quantizing, which
+    gives each Linear layer a weight of its own."""
+    embeddings = {
+        id(module.weight): name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+    }
+    return [
+        (name, embeddings[id(module.weight)])
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and id(module.weight) in embeddings
+    ]
+
+
+def quantize_embeddings(model: nn.Module, scheme: str, tied: list[tuple[str, str]]) -> nn.Module:
+    """`model` (its Linear layers quantized by `scheme`) with its embeddings in int8 too, when
+    the scheme quantizes them (`embedding_config`). Each Linear layer of `tied` (tied_heads,
+    found before quantizing) then takes its embedding's int8 tensor again, in place of its own
+    int8 copy, and computes with it weight-only: the head's weights per output row are the
+    embedding's rows, the granularity both use. Both layers hold that tensor through a
+    parametrization to its plain int8 data and scales (torchao's UnwrapTensorSubclass):
+    torch.export.save stores plain tensors that share storage once, and each tensor subclass
+    on its own."""
+    if not scheme_of(scheme).embeddings:
+        return model
+    ao = library(f"quantize {scheme}")
+    from torch.nn.utils import parametrize
+    from torchao.utils import UnwrapTensorSubclass
+
+    ao.quantization.quantize_(
+        model, embedding_config(), filter_fn=lambda module, _: isinstance(module, nn.Embedding)
+    )
+    for head_name, embedding_name in tied:
+        head, embedding = model.get_submodule(head_name), model.get_submodule(embedding_name)
+        head.weight = embedding.weight
+        for layer in (embedding, head):
+            parametrize.register_parametrization(layer, "weight", UnwrapTensorSubclass())
+    return model
 
 
 def torchao_config(scheme: str) -> Any:
@@ -167,6 +215,16 @@ def torchao_config(scheme: str) -> Any:
             set_inductor_config=False,
         )
     raise ValueError(f"{chosen.name} has no torchao quantize_ config (it is torchao's PT2E flow)")
+
+
+def embedding_config() -> Any:
+    """The torchao `quantize_` config by which the int8 schemes quantize an embedding: int8
+    weights per row (per axis 0, a token's vector its own scale), dequantized as they are looked
+    up (torchao's IntxWeightOnlyConfig)."""
+    ao = library("quantize an embedding")
+    from torchao.quantization.granularity import PerAxis
+
+    return ao.quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
 
 
 def _check(model: nn.Module, scheme: Scheme, batches: Sequence[Batch]) -> Scheme:
@@ -284,7 +342,9 @@ def convert_qat(model: nn.Module, scheme: str) -> nn.Module:
 
 
 def _converted(prepared: nn.Module, scheme: str) -> nn.Module:
-    """`prepared` (a model prepare_qat prepared for `scheme`), converted in place."""
+    """`prepared` (a model prepare_qat prepared for `scheme`), converted in place. Its
+    embeddings stay in float, as training computed them: the converted model keeps the
+    numerics that training saw, where `quantize` puts them in int8 too."""
     ao = library(f"quantization-aware training ({scheme})")
     ao.quantization.quantize_(
         prepared, ao.quantization.qat.QATConfig(torchao_config(scheme), step="convert")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 from dtrain import checkpoint
 from dtrain.commands.export.checkpoint_model import load_model as load_model
@@ -73,13 +74,9 @@ def main(
     Either may be in an object store: a checkpoint there is fetched to a temporary folder (each
     file checked by its digest as it is read), an export is made and checked here, then uploaded
     (the weights file last: an interrupted upload leaves no new weights beside an old config).
-    `quantize`: the export quantized and measured (quantized.py); local runs only."""
+    `quantize`: the export quantized and measured (quantized.py), its figures kept in the run's
+    evals/ (in the store, for a run there) once the export is in place."""
     form = check_request(fmt, weights, overrides, quantize=quantize)
-    if quantize is not None and any(is_url(p) for p in (run, path, out) if p):
-        raise UserError(
-            "export error: --quantize writes its figures into the run's evals/: export from a "
-            "run directory or checkpoint on this machine, to a --out here"
-        )
     if is_url(out):
         parent, name = out.rstrip("/").rsplit("/", 1)
         for rel in [name, *form.beside(name)]:
@@ -91,6 +88,11 @@ def main(
             remote_copies.marker_of(source, {}, "export")  # a missing or damaged one: its line
             folder = remote_copies.checkpoint_folder(source)
             local = remote_copies.fetch_checkpoint(folder, os.path.join(copies, "checkpoint"), {})
+        figures = None
+        if quantize is not None:
+            from dtrain.commands.export import quantized
+
+            figures = quantized.evals_folder_of(source, out, run)
         if not is_url(out):
             return export(
                 local,
@@ -102,11 +104,12 @@ def main(
                 shard_size=shard_size,
                 trusted=trusted,
                 quantize=quantize,
+                figures=figures,
             )
         parent, name = out.rstrip("/").rsplit("/", 1)
         made = os.path.join(copies, "out")
         os.makedirs(made)
-        found = export(
+        return export(
             local,
             os.path.join(made, name),
             fmt,
@@ -116,13 +119,20 @@ def main(
             where=(made, parent),
             shard_size=shard_size,
             trusted=trusted,
+            quantize=quantize,
+            figures=figures,
+            publish=lambda: upload(made, parent),
         )
-        objects = remote_copies.ObjectStore(parent, {})
-        files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
-        with objects.failing_as("write to"):
-            for rel in files:
-                objects.put(os.path.join(made, rel), rel)
-        return found
+
+
+def upload(made: str, parent: str) -> None:
+    """The export made in the folder `made` uploaded below the store's `parent`, the weights
+    files last."""
+    objects = remote_copies.ObjectStore(parent, {})
+    files = sorted(names_below(made), key=lambda n: n.endswith(WEIGHT_FILES))
+    with objects.failing_as("write to"):
+        for rel in files:
+            objects.put(os.path.join(made, rel), rel)
 
 
 def names_below(folder: str) -> list[str]:
@@ -173,6 +183,8 @@ def export(
     shard_size: str | None = None,
     trusted: bool = False,
     quantize: Request | None = None,
+    figures: str | None = None,
+    publish: Callable[[], None] | None = None,
 ) -> float:
     """Write the export, load it back, and return the largest difference found by the check.
     `overrides` (data.* keys) steer where the ONNX check reads its validation batch. `shown`:
@@ -180,7 +192,9 @@ def export(
     `shard_size`: --format hf's largest safetensors file (default hf_files.SHARD_SIZE);
     `trusted`: run the code that the checkpoint's config names (--trust-remote-code);
     `quantize`: the export quantized, measured on the run's data (quantized.py): returns the
-    drop."""
+    drop; `figures`: the folder or store URL whose evals/ gets its figures (default:
+    quantized.evals_folder_of); `publish`: run once the export is in place, before the figures
+    are kept and the line printed (the upload to the store of an export made here)."""
     form = check_request(fmt, weights, overrides, shard_size, quantize)
     if not os.path.exists(path):
         raise UserError(f"export error: --checkpoint {path}: no such checkpoint folder or file")
@@ -216,8 +230,11 @@ def export(
                 found, line = measured.result["drop"], f"{measured.line} -> {staging}"
         except UserError as e:
             raise type(e)(_final_paths(_final_paths(str(e), stage, folder), here, there)) from None
+    if publish is not None:
+        publish()
     if quantize is not None:
-        line += f"; figures in {quantized.keep(measured, path, out)}"
+        kept = quantized.keep(measured, figures or quantized.evals_folder_of(path, out))
+        line += f"; figures in {kept}"
     print(_final_paths(_final_paths(line, stage, folder), here, there))
     return found
 

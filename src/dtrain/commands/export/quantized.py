@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,8 @@ from dtrain.commands.export.checkpoint_model import config_with_data
 from dtrain.commands.export.formats import ExportFormat, Job
 from dtrain.commands.export.onnx_file import model_input
 from dtrain.core.errors import UserError
-from dtrain.files import names
+from dtrain.core.urls import is_url
+from dtrain.files import names, remote_copies
 from dtrain.files.store import check_run_dir_entries, fsync_dir
 from dtrain.loop import evaluation
 from dtrain.models import quantize
@@ -313,23 +315,45 @@ def _figures(
     )
 
 
-def evals_folder_of(checkpoint: str, out: str) -> str:
-    """The run directory that holds the checkpoint (its evals/ gets the figures), else the
-    folder of --out."""
-    folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
-    parent = os.path.dirname(os.path.abspath(folder))
-    run_dir = os.path.dirname(parent)
-    if os.path.basename(parent) == names.CHECKPOINTS and os.path.isfile(
-        os.path.join(run_dir, names.CONFIG)
-    ):
-        return run_dir
+def evals_folder_of(checkpoint: str, out: str, run: str | None = None) -> str:
+    """The run directory (or its URL in an object store) that holds the checkpoint, whose
+    evals/ gets the figures: `run` when given (--run-dir), else the one above the checkpoint's
+    checkpoints/ folder; else the folder of --out (here or in the store)."""
+    if run is not None:
+        return run
+    if is_url(checkpoint):
+        folder = remote_copies.checkpoint_folder(checkpoint)
+        above, _, _ = folder.rpartition("/")
+        run_url, _, parent = above.rpartition("/")
+        if parent == names.CHECKPOINTS and run_url:
+            return run_url
+    else:
+        folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+        parent = os.path.dirname(os.path.abspath(folder))
+        run_dir = os.path.dirname(parent)
+        if os.path.basename(parent) == names.CHECKPOINTS and os.path.isfile(
+            os.path.join(run_dir, names.CONFIG)
+        ):
+            return run_dir
+    if is_url(out):
+        return out.rstrip("/").rsplit("/", 1)[0]
     return os.path.dirname(os.path.abspath(out))
 
 
-def keep(measured: Measured, checkpoint: str, out: str) -> str:
-    """The figures written to evals/<name>-<time>.json (see `evals_folder_of`), never over an
-    earlier file (a second one in the same second gets `-2`, ...); returns its path."""
-    run_dir = evals_folder_of(checkpoint, out)
+def keep(measured: Measured, run_dir: str) -> str:
+    """The figures written to `run_dir`/evals/<name>-<time>.json, never over an earlier file (a
+    second one in the same second gets `-2`, ...); `run_dir` in an object store: written here,
+    then uploaded as a new object. Returns its path or URL."""
+    if not is_url(run_dir):
+        return _write(measured, run_dir)
+    with tempfile.TemporaryDirectory(prefix="dtrain-export-") as here:
+        path = _write(measured, here)
+        url = remote_copies.join(run_dir, names.EVALS, os.path.basename(path))
+        remote_copies.upload_file(path, url, {}, "export")
+    return url
+
+
+def _write(measured: Measured, run_dir: str) -> str:
     check_run_dir_entries(run_dir, only=(names.EVALS,))  # never written through a link
     folder = os.path.join(run_dir, names.EVALS)
     os.makedirs(folder, exist_ok=True)

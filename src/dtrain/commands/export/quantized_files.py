@@ -30,8 +30,10 @@ from dtrain.models.spec import ModelSpec, spec_of
 from dtrain.process import compat
 
 # The ONNX operators that the schemes quantize: the Linear layers' (MatMul, Gemm), and for
-# static int8 the convolutions' as well (as the PyTorch schemes' layers).
+# static int8 the convolutions' as well (as the PyTorch schemes' layers); dynamic int8 the
+# embeddings' lookups too (Gather: its table in int8, one tensor with a head tied to it).
 ONNX_LINEAR = ("MatMul", "Gemm")
+ONNX_DYNAMIC = (*ONNX_LINEAR, "Gather")
 ONNX_STATIC = ("Conv", *ONNX_LINEAR)
 # int8 weights in blocks of this many inputs along each MatMul's input (onnxruntime's
 # MatMulNBits with 8 bits, its weight-only format).
@@ -58,7 +60,9 @@ def trained_spec(meta: dict) -> ModelSpec:
 
 def write_program(model: nn.Module, meta: dict, out: str, example: Any) -> Any:
     """`model`'s program by torch.export on `example`, its batch dimension free (the evaluation's
-    last batch may be smaller), saved at `out`; returns `example`."""
+    last batch may be smaller), saved at `out` without the source lines that traced each node
+    (a debugging aid that names this machine's files and, for the many small operators of an
+    int8 graph, weighs as much as a small model's int8 weights); returns `example`."""
     inputs = example if isinstance(example, tuple) else (example,)
     dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
     with warnings.catch_warnings(), torch.no_grad():
@@ -67,6 +71,8 @@ def write_program(model: nn.Module, meta: dict, out: str, example: Any) -> Any:
             program = torch.export.export(model, inputs, dynamic_shapes=dynamic)
         except Exception as e:  # noqa: BLE001 - torch.export's refusals have many types
             raise CheckFailed(export_failure(e).replace("ONNX exporter", "torch.export")) from None
+        for node in program.graph.nodes:
+            node.meta.pop("stack_trace", None)
         torch.export.save(program, out)
     return example
 
@@ -74,8 +80,10 @@ def write_program(model: nn.Module, meta: dict, out: str, example: Any) -> Any:
 def write_onnx(plain: str, out: str, scheme: str, calibration: list[Any]) -> None:
     """The ONNX file `plain` quantized by `scheme` with onnxruntime's tools, at `out`:
     int8-dynamic by `quantize_dynamic` (int8 weights per channel, activations quantized as they
-    come), int8-weight by MatMulNBits with 8 bits (int8 weights, float activations), int8-static
-    by `quantize_static` (QDQ, ranges from the `calibration` inputs)."""
+    come; an embedding's table in int8 per tensor, dequantized where it is read, one tensor with
+    a head tied to it), int8-weight by MatMulNBits with 8 bits (int8 weights, float
+    activations), int8-static by `quantize_static` (QDQ, ranges from the `calibration`
+    inputs)."""
     ort = require("onnxruntime.quantization", "export", f"dtrain export --quantize {scheme}")
     with _quiet_logging():
         _quantize_onnx(ort, plain, out, scheme, calibration)
@@ -102,7 +110,7 @@ def _quantize_onnx(ort: Any, plain: str, out: str, scheme: str, calibration: lis
         ort.quantize_dynamic(
             plain,
             out,
-            op_types_to_quantize=list(ONNX_LINEAR),
+            op_types_to_quantize=list(ONNX_DYNAMIC),
             per_channel=True,
             weight_type=ort.QuantType.QInt8,
             use_external_data_format=large,
@@ -134,12 +142,12 @@ def _quantize_onnx(ort: Any, plain: str, out: str, scheme: str, calibration: lis
 
 def write_hf_folder(plain: str, out: str, scheme: str, limit: int) -> None:
     """The Hugging Face folder `plain` quantized by `scheme` as transformers quantizes a model:
-    loaded (float32, on the CPU) with a TorchAoConfig of the scheme's torchao config, then saved
+    loaded (float32, on the CPU) with a TorchAoConfig of the scheme's torchao config (the
+    embeddings' too: `_torchao_config`), then saved
     by save_pretrained at `out` (safetensors files of at most `limit` bytes holding torchao's
     int8 tensors, config.json with the `quantization_config` that from_pretrained reads back),
     with `plain`'s tokenizer files."""
-    transformers = hf.library(f"dtrain export --format hf --quantize {scheme}")
-    config = transformers.TorchAoConfig(quantize.torchao_config(scheme))
+    config = _torchao_config(plain, scheme)
     model = _model_class(plain).from_pretrained(
         plain,
         quantization_config=config,
@@ -153,14 +161,51 @@ def write_hf_folder(plain: str, out: str, scheme: str, limit: int) -> None:
     outputs.as_ordinary_files(out)
 
 
+def _torchao_config(folder: str, scheme: str) -> Any:
+    """transformers' TorchAoConfig that quantizes the folder's model by `scheme`: its Linear
+    layers by the scheme's torchao config and, where the scheme quantizes embeddings and the
+    model's output head is not tied to its input embedding, the input embedding by
+    `quantize.embedding_config` and the head as a Linear layer. A tied pair stays in float:
+    transformers cannot save a tied embedding quantized (it compares the tied tensors, which
+    torchao's int8 tensor cannot), and untying it would store two copies."""
+    transformers = hf.library(f"dtrain export --format hf --quantize {scheme}")
+    linear = quantize.torchao_config(scheme)
+    if not quantize.scheme_of(scheme).embeddings:
+        return transformers.TorchAoConfig(linear)
+    saved = transformers.AutoConfig.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=False
+    )
+    with torch.device("meta"):
+        skeleton = _model_class(folder)(saved)
+    embedding, head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return transformers.TorchAoConfig(linear)
+    name = next(n for n, module in skeleton.named_modules() if module is embedding)
+    ao = quantize.library(f"dtrain export --format hf --quantize {scheme}").quantization
+    with _default_layers_accepted():
+        per_layer = ao.FqnToConfig({name: quantize.embedding_config(), "_default": linear})
+    return transformers.TorchAoConfig(per_layer, include_input_output_embeddings=True)
+
+
 def load_hf_folder(path: str) -> nn.Module:
     """The Hugging Face folder at `path`, loaded by transformers as a user would (by the class
     its config.json's `architectures` names, what AutoModelFor... picks; a quantized folder's
     `quantization_config` applied as transformers reads it), in eval mode."""
-    model = _model_class(path).from_pretrained(
-        path, device_map="cpu", local_files_only=True, trust_remote_code=False
-    )
+    with _default_layers_accepted():  # the config is read back as it was written
+        model = _model_class(path).from_pretrained(
+            path, device_map="cpu", local_files_only=True, trust_remote_code=False
+        )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_layers_accepted() -> Iterator[None]:
+    """torchao warns that `_default` (the config of every layer not named) is deprecated each
+    time an FqnToConfig is made, written or read back; it is how transformers' TorchAoConfig
+    takes the config of the layers it does not name: nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Config Deprecation: _default")
+        yield
 
 
 def _model_class(folder: str) -> Any:
