@@ -14,7 +14,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from dtrain.loop.ema import SUFFIX, EmaWeights
 from dtrain.loop.saving import Saving
 from dtrain.loop.state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import log, memory_stats
-from dtrain.parallel.replicas import Groups, OneGroup
+from dtrain.parallel.replicas import Groups
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 
@@ -39,8 +39,8 @@ from dtrain.process.layout import Layout
 class Trainer:
     """The loop over `state` (the run's position, which the checkpoints save), with the
     components the assembly built: what learns, where batches come from, the checkpoints,
-    early stopping, the averaged weights (None without train.ema), what watches the loop, and
-    the callbacks between steps."""
+    early stopping, the averaged weights (None without train.ema), what watches the loop, the
+    callbacks between steps, and the replica groups it trains with (or one group alone)."""
 
     def __init__(
         self,
@@ -55,19 +55,16 @@ class Trainer:
         ema: EmaWeights | None,
         observers: Observers,
         callbacks: Callbacks,
-        replicas: Groups | None = None,
+        replicas: Groups,
     ) -> None:
-        self.train, self.layout, self.state = train, layout, state
-        # The replica groups this group trains with (parallel.replicas), or one group alone.
-        self.replicas = replicas if replicas is not None else OneGroup()
+        self.train, self.layout, self.state, self.replicas = train, layout, state, replicas
         self.learner, self.feed, self.saving = learner, feed, saving
         self.early_stop, self.ema = early_stop, ema
         self.observers, self.callbacks = observers, callbacks
         self.model, self.task = learner.model, learner.task
         # A task that may count only some targets (tasks.py): see _train_step.
         self.counted = getattr(learner.task, "counted", None)
-        self.device = layout.device
-        self.accum = layout.grad_accum
+        self.device, self.accum = layout.device, layout.grad_accum
         self.samples_per_step = layout.effective_batch
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
         # (fused kernels; the grad scaler's way): no step ever waits for the device to decide.
@@ -168,7 +165,8 @@ class Trainer:
                 epoch_finished = False
                 break
             if not self._first_step_done:
-                self._pending_record = _merged(hook() for hook in self.callbacks.first_step)
+                hooks = self.callbacks.first_step
+                self._pending_record = {k: v for hook in hooks for k, v in hook().items()}
                 self._first_step_done = True
             state.step += 1
             state.samples_in_epoch += self.samples_per_step
@@ -255,11 +253,7 @@ class Trainer:
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         assert step_loss is not None  # grad_accum >= 1
         where.phase = "replica groups"
-        self.replicas.average(model)
-        sampler = self.feed.loaders.train_sampler
-        self.replicas.trained(self.state.step + 1, sampler, last_in_epoch)
-        if not self.replicas.commit():
-            optimizer.zero_grad(set_to_none=True)
+        if not self._taken_by_every_group(last_in_epoch):
             return None
         where.phase = "optimizer"
         # A step is non-finite when its gradients are (checked on every step, clipped or not;
@@ -288,6 +282,17 @@ class Trainer:
         self.pending.add(step_loss, skip, norm)
         where.phase = "logging/callbacks"
         return StepTimes(data_wait, time.perf_counter() - started, exchange)
+
+    def _taken_by_every_group(self, last_in_epoch: bool) -> bool:
+        """The gradients averaged over the replica groups present, the step's samples logged;
+        whether every group finished the exchange (if not, nothing of the step is kept)."""
+        self.replicas.average(self.model)
+        sampler = self.feed.loaders.train_sampler
+        self.replicas.trained(self.state.step + 1, sampler, last_in_epoch)
+        if self.replicas.commit():
+            return True
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        return False
 
     def _sync_debug(self, on: bool) -> None:
         """train.sync_debug on CUDA: torch warns at every synchronisation while a step runs
@@ -442,10 +447,3 @@ class Trainer:
         observers.run_log.train(record, extra, done_in_epoch, at_log_step)
         if at_log_step:
             window.reset()
-
-
-def _merged(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
