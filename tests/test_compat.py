@@ -282,3 +282,40 @@ def test_dcp_writes_through_our_file_system_and_reads_through_our_step(tmp_path)
              no_dist=True)
     assert torch.equal(state["w"], torch.arange(4.0))
     assert steps == [sorted(n for n in recording.created if n.endswith(".distcp"))]
+
+
+# -- a replica group's heal: the streamed state, read weights-only ----------------------------
+
+def test_a_streamed_state_reads_back_weights_only_and_code_is_refused():
+    import io
+    import os
+
+    from torch.distributed._serialization import _streaming_save
+
+    state = {"user": {"model": {"w": torch.arange(6.0).view(2, 3)}, "step": 7},
+             "torchft": {"step": 7, "batches_committed": 14}}
+    buffer = io.BytesIO()
+    _streaming_save(state, buffer)
+    buffer.seek(0)
+    back = compat.stream_load_weights_only(buffer)
+    assert torch.equal(back["user"]["model"]["w"], state["user"]["model"]["w"])
+    assert back["torchft"] == state["torchft"]
+
+    class Runs:  # what a crafted peer could serve: an object whose unpickling runs code
+        def __reduce__(self):
+            return (os.system, ("echo crafted",))
+
+    crafted = io.BytesIO()
+    _streaming_save({"user": Runs()}, crafted)
+    crafted.seek(0)
+    with pytest.raises(Exception, match="(?i)weights.only|unsupported|global"):
+        compat.stream_load_weights_only(crafted)
+
+
+def test_like_param_leaves_the_state_of_a_plain_parameter_as_it_is():
+    # (a DTensor parameter's: tests/test_replicas.py, FSDP groups healed shard by shard)
+    plain = torch.zeros(3)
+    moment = torch.ones(3)
+    assert compat.like_param(moment, plain) is moment  # no DTensor: the value itself
+    step = torch.tensor(5.0)
+    assert compat.like_param(step, plain) is step

@@ -170,11 +170,6 @@ def _check_replicas(parallel: ParallelConfig) -> None:
             f"config error: parallel.replicas.min_groups={replicas.min_groups} is more than "
             f"the {replicas.groups} groups of parallel.replicas.groups"
         )
-    if parallel.mode == "fsdp":
-        raise UserError(
-            "config error: parallel.replicas with parallel.mode=fsdp is not supported yet; "
-            "each replica group runs ddp (or one process) for now"
-        )
 
 
 def _check_monitor(cfg: Config) -> None:

@@ -103,11 +103,11 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
 
 
 def weights_digest(model: nn.Module) -> str:
-    """The content digest of the model's state (names, shapes, dtypes and bytes), as a healed
-    group and its donor compare it."""
+    """The content digest of the model's state as this rank holds it (names, shapes, dtypes and
+    bytes; its shards under FSDP), as a healed group's rank and its donor's compare it."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        data = tensor.detach().cpu().contiguous()
+        data = compat.local_part(tensor).detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(data.shape)}:{data.dtype};".encode())
         digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
@@ -275,8 +275,9 @@ class Replicas(Groups):
 
     def average(self, model: nn.Module) -> None:
         """The gradients averaged over the groups present, each scaled by 1/groups and then
-        summed, as DDP averages over ranks (one flat exchange)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        summed, as DDP averages over ranks (one flat exchange of this rank's part: under FSDP
+        its shards, which rank r of every group holds alike)."""
+        grads = [compat.local_part(p.grad) for p in model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self.groups_present)

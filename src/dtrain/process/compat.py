@@ -175,6 +175,25 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
+def like_param(value: Any, param: torch.Tensor) -> Any:
+    """`value`, a parameter's optimizer state as a rank's local part, placed as `param` is: a
+    DTensor with the parameter's mesh and placements where the parameter is one and the value
+    has its local shape (a moment), else the value itself (a step count, a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value.to(param.device),
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree`, in order."""
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]

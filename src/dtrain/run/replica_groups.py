@@ -14,6 +14,8 @@ import dataclasses
 import os
 from typing import Any
 
+import torch
+
 from dtrain.checkpoint import Contents
 from dtrain.config import Config
 from dtrain.core.errors import UserError
@@ -27,7 +29,7 @@ from dtrain.parallel.replicas import (
     group_of,
     lighthouse_of,
 )
-from dtrain.process import dist
+from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 
 FOLDER = "replicas"
@@ -96,25 +98,46 @@ def global_rank(group: int | None, layout: Layout) -> int:
 
 def heal_state(contents: Contents) -> HealState:
     """What a live peer sends a healing group, and how the group takes it: the model, the
-    optimizer and every part a checkpoint holds, this rank's own (a group's rank r heals from
-    the donor's rank r)."""
+    optimizer and every part a checkpoint holds, as this rank holds them (a group's rank r heals
+    from the donor's rank r; under FSDP, its shards: plain tensors on the wire, placed back as
+    this rank's own)."""
 
     def state() -> dict[str, Any]:
+        optimizer = contents.optimizer.state_dict()
         return {
-            "model": contents.model.state_dict(),
-            "optimizer": contents.optimizer.state_dict(),
+            "model": {k: compat.local_part(v) for k, v in contents.model.state_dict().items()},
+            "optimizer": {
+                **optimizer,
+                "state": compat.tree_map_tensors(compat.local_part, optimizer["state"]),
+            },
             "parts": {name: part.state_dict() for name, part in contents.parts.items()},
             "sharded": {
-                name: part.state_dict(full=False) for name, part in contents.sharded.items()
+                name: compat.tree_map_tensors(compat.local_part, part.state_dict(full=False))
+                for name, part in contents.sharded.items()
             },
         }
 
     def load(received: dict[str, Any]) -> None:
-        contents.model.load_state_dict(received["model"])
-        contents.optimizer.load_state_dict(received["optimizer"])
+        with torch.no_grad():
+            for name, mine in contents.model.state_dict().items():
+                compat.local_part(mine).copy_(received["model"][name])
+        contents.optimizer.load_state_dict(
+            _placed_like_params(contents.optimizer, received["optimizer"])
+        )
         for name, part in contents.parts.items():
             part.load_state_dict(received["parts"][name])
         for name, sharded in contents.sharded.items():
             sharded.load_state_dict(received["sharded"][name])
 
     return state, load
+
+
+def _placed_like_params(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict whose per-parameter tensors are local parts, placed as this
+    rank's parameters are (DTensors under FSDP; unchanged under DDP or one process)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed: dict[Any, Any] = {}
+    for index, values in state["state"].items():
+        param = params[int(index)]
+        placed[index] = {k: compat.like_param(v, param) for k, v in values.items()}
+    return {**state, "state": placed}
