@@ -261,6 +261,13 @@ class Replicas(Groups):
         self.place, self.groups_present = place, present
         self._quorum_for = self.manager.current_step()
         healed = self._healed_from is not None
+        error = self.manager.errored()
+        if error is not None and not healed:  # a heal (or the quorum's group) that failed
+            log.warning(
+                f"replica group {self.group}: step {step + 1} cannot be taken here "
+                f"({_shown(error.original_exception)}): it is not committed, and the next "
+                f"quorum tries again (a heal from another live peer)"
+            )
         if healed:
             log.info(
                 f"replica group {self.group}: healed from a live peer at step "
