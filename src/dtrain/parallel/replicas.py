@@ -1,5 +1,6 @@
 """Replica groups (parallel.replicas): several launches of one run, each a group of its own
-(a single process or DDP over its ranks), whose gradients are averaged through torchft's Manager.
+(one process, or DDP or FSDP over its ranks), whose gradients are averaged through torchft's
+Manager.
 A group that is lost leaves the others stepping at the smaller size; one that (re)joins heals
 from a live peer before its first step.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from dtrain.config import ReplicasConfig
 from dtrain.core.errors import PeerFailure, UserError, first_line
@@ -190,9 +192,6 @@ class Replicas(Groups):
         sample_log: str | None = None,
     ) -> None:
         quiet_torchft()
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         self.section, self.group, self.model = section, group, model
         self.groups_present, self.place = 0, 0
         self._heal_state = heal_state
@@ -204,24 +203,28 @@ class Replicas(Groups):
         self._sample_log = (
             open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
         )
-        lighthouse = lighthouse_of(section, dict(os.environ))
-        self.lighthouse = lighthouse
+        self.lighthouse = lighthouse_of(section, dict(os.environ))
         try:
-            self.manager = self._manager(Manager, ProcessGroupGloo, group_rank, group_size)
+            self.manager = self._manager(group_rank, group_size)
         except RuntimeError as e:  # the lighthouse gone since the check at the start
             raise PeerFailure(
-                f"replica group {group}: cannot join the lighthouse at {lighthouse} "
+                f"replica group {group}: cannot join the lighthouse at {self.lighthouse} "
                 f"({_shown(e)}); nothing was trained"
             ) from None
         # The Manager counts committed steps from 0; the run may start from a checkpoint.
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
-    def _manager(self, manager: Any, process_group: Any, group_rank: int, group_size: int) -> Any:
+    def _manager(self, group_rank: int, group_size: int) -> Any:
+        """torchft's Manager of this group's rank: a quorum each step, the exchange with the
+        same rank of the other groups, heals sent and received (weights-only)."""
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
         timeout = timedelta(seconds=self.section.timeout_s)
         host = advertised_host(self.lighthouse)
         port = _group_store(group_rank, host)
-        return manager(
-            pg=process_group(timeout=timeout),
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=self.section.min_groups,
@@ -288,8 +291,6 @@ class Replicas(Groups):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / self.groups_present)
-        from torch.distributed import ReduceOp
-
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         offset = 0
         for g in grads:
