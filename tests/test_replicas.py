@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from conftest import (REPO, TINY, TRAIN, child_env, descendants, dtrain, final_weights,
-                      forkserver, free_port, latest, launch, torchrun_cmd)
+                      forkserver, free_port, latest, launch, torchrun_cmd, without_module)
 
 from dtrain.data import ImageDataset, Transform, synthetic
 
@@ -158,13 +158,14 @@ def digests(*logs: Path) -> dict[int, tuple[int, str]]:
 
 @pytest.mark.slow
 def test_replica_groups_equal_plain_ddp_and_train_every_sample_once(tmp_path, lighthouse):
-    # Both groups from the first step (a group alone would take step 1 by itself).
-    extra = ["train.epochs=2", "parallel.replicas.min_groups=2"]
+    # Both groups from the first step (a group alone would take step 1 by itself); 520 samples
+    # do not divide into steps of 2 groups x 16: each epoch drops 8, as DDP's does.
+    extra = ["train.epochs=2", "data.synthetic.train_size=520", "parallel.replicas.min_groups=2"]
     run_dir = tmp_path / "replicas"
     logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
     procs = [start_group(run_dir, lighthouse, g, extra, logs[g]) for g in (0, 1)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0], logs[0].read_text()[-3000:]
-    ddp = launch(tmp_path / "ddp", ["train.epochs=2"], nproc=2)
+    ddp = launch(tmp_path / "ddp", ["train.epochs=2", "data.synthetic.train_size=520"], nproc=2)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
 
     # The same weights as DDP over the same two ranks, bit for bit; both groups agree.
@@ -172,13 +173,17 @@ def test_replica_groups_equal_plain_ddp_and_train_every_sample_once(tmp_path, li
     assert all(torch.equal(ours[k], plain[k]) for k in plain)
     found = digests(*logs)
     assert found[0] == found[1] and found[0][0] == 32
-    assert_every_sample_once(run_dir, epochs=2, size=512, batch=16)
-    plain_replay = replayed(steps_trained(run_dir), 512)
+    assert_every_sample_once(run_dir, epochs=2, size=520, batch=16)
+    plain_replay = replayed(steps_trained(run_dir), 520)
     assert all(torch.equal(ours[k], plain_replay[k]) for k in plain_replay)
     # Group 0 writes the run; group 1 only its logs, no checkpoint.
     assert (run_dir / "checkpoints" / "latest").exists()
     assert not (run_dir / "replicas" / "group_1" / "checkpoints" / "latest").exists()
     assert "healed from a live peer" not in logs[0].read_text()
+    # Every group gone: an ordinary resume, here as one process without replica groups.
+    again = launch(run_dir, ["train.epochs=3", "data.synthetic.train_size=520"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.output and max(again.losses()) == 32 + 32
 
 
 @pytest.mark.slow
@@ -282,6 +287,18 @@ def test_bad_replica_settings_are_one_line_each(tmp_path):
         lines = [line for line in result.stderr.splitlines() if "error" in line]
         assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
         assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_without_the_extra_train_and_lighthouse_are_one_line(tmp_path):
+    hidden = without_module(tmp_path / "no_torchft", "torchft")
+    line = "missing dependency: {} needs the 'replicas' extra: pip install 'dtrain[replicas]'"
+    result = launch(tmp_path / "run", ["parallel.replicas.groups=2", "parallel.replicas.group=0",
+                                       "parallel.replicas.lighthouse=127.0.0.1:1"], env=hidden)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == "dtrain: " + line.format("parallel.replicas")
+    assert not (tmp_path / "run").exists()
+    result = dtrain("lighthouse", env=hidden)
+    assert result.returncode == 2 and line.format("dtrain lighthouse") in result.stderr
 
 
 def test_no_lighthouse_at_the_start_is_one_line_and_writes_nothing(tmp_path):

@@ -28,6 +28,7 @@ from dtrain.parallel.replicas import (
     check_lighthouse,
     group_of,
     lighthouse_of,
+    quiet_torchft,
 )
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
@@ -47,7 +48,8 @@ def this_group(cfg: Config) -> int | None:
             "supported yet; use a shared disk for run.out_dir"
         )
     group = group_of(section, dict(os.environ))
-    # None known, or none answering: one line before anything starts.
+    # The extra missing, no lighthouse known or none answering: one line before anything starts.
+    quiet_torchft()
     check_lighthouse(lighthouse_of(section, dict(os.environ)), section.timeout_s)
     return group
 
