@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from conftest import (REPO, TINY, TRAIN, child_env, descendants, dtrain, final_weights,
-                      forkserver, free_port, latest, launch, torchrun_cmd, without_module)
+                      forkserver, free_port, kill_tree, latest, launch, torchrun_cmd,
+                      without_module)
 
 from dtrain.data import ImageDataset, Transform, synthetic
 
@@ -58,15 +59,30 @@ def group_args(run_dir: Path, address: str, group: int, extra: list[str]) -> lis
             "parallel.replicas.timeout_s=10", *extra]
 
 
+STARTED: list = []  # every group a test started, killed at its end if still running
+
+
+@pytest.fixture(autouse=True)
+def _no_group_left_running():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            kill_tree(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: Path,
                 torchrun: list[str] | None = None, host: list[str] | None = None):
     """One replica group: a plain process, or under `torchrun`; `host` (a command that runs
     what follows on another test host) before it."""
     prefix = [*(host or []), *(torchrun if torchrun is not None else [sys.executable])]
     with open(log, "w") as out:
-        return forkserver.popen([*prefix, TRAIN, *group_args(run_dir, address, group, extra)],
+        proc = forkserver.popen([*prefix, TRAIN, *group_args(run_dir, address, group, extra)],
                                 cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    STARTED.append(proc)
+    return proc
 
 
 def steps_trained(run_dir: Path) -> dict[int, list[dict]]:

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, child_env, descendants, free_port, torchrun_cmd
 from test_multinode import HOSTS_SH, hosts  # noqa: F401 - the session's test hosts
+from test_replicas import _no_group_left_running  # noqa: F401 - kills what a test left
 from test_replicas import assert_every_sample_once, digests, start_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
