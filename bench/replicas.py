@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,10 +58,13 @@ import common  # noqa: E402
 from common import Figure  # noqa: E402
 
 NPROC, BATCH, STEPS, LOG_EVERY = 2, 64, 300, 50
-FAIL_STEPS, KILL_AT, CKPT_EVERY = 600, 30, 20
+# Killed at the first step logged from KILL_AT on: half-way between two checkpoints, where the
+# restart path redoes CKPT_EVERY / 2 steps on average.
+FAIL_STEPS, KILL_AT, CKPT_EVERY, TOGETHER = 1000, 110, 20, 10
 CONFIG = str(common.REPO / "configs" / "default.yaml")
 SIDES = ("ddp", "replicas")
 HEALED = "healed from a live peer"
+DIGEST = re.compile(r"replica group (\d+): left at step (\d+), weights digest ([0-9a-f]{64})")
 NOT_COMMITTED = "not committed"
 
 
@@ -177,22 +181,28 @@ def speed(work: Path, rounds: int) -> tuple[list[Figure], dict]:
 
 class Follow:
     """Files followed as they grow: each new whole line with the time it was first seen,
-    polled every 10 ms."""
+    polled every 10 ms. A file replaced (metrics.jsonl, cut back to the checkpoint's step when
+    a run resumes) is read again from its start, its lines already seen left out."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
-        self.offsets = {name: 0 for name in files}
+        self.places = {name: (0, 0) for name in files}  # (inode, offset)
         self.seen: dict[str, list[tuple[float, str]]] = {name: [] for name in files}
 
     def poll(self) -> None:
         now = time.time()
         for name, path in self.files.items():
             with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-                f.seek(self.offsets[name])
+                inode, offset = self.places[name]
+                replaced = os.fstat(f.fileno()).st_ino != inode
+                f.seek(0 if replaced else offset)
                 text = f.read()
                 whole = text[:text.rfind(b"\n") + 1]  # a line still being written: next time
-                self.offsets[name] += len(whole)
-                self.seen[name] += [(now, line) for line in whole.decode().splitlines()]
+                self.places[name] = (os.fstat(f.fileno()).st_ino,
+                                     (0 if replaced else offset) + len(whole))
+                known = {line for _, line in self.seen[name]} if replaced else set()
+                self.seen[name] += [(now, line) for line in whole.decode().splitlines()
+                                    if line not in known]
 
     def until(self, done: Callable[[], bool], procs: list[subprocess.Popen],
               timeout: float = 300) -> None:
@@ -267,8 +277,10 @@ def replicas_failure(work: Path, round_: int) -> dict:
         groups = [_start(_command(run_dir, [*overrides, *_groups(address, g, min_groups=1)], 1,
                                   restarts=g), log)
                   for g, log in zip((0, 1), logs[1:], strict=True)]
-        # Both groups stepping before the kill: group 1 in a committed step of 2 groups.
-        follow.until(lambda: any(r["groups"] == 2 for _, r in follow.records("samples")), groups)
+        # Both groups stepping before the kill (group 1 may start late, and group 0 steps alone
+        # until it joins): TOGETHER steps of both groups first.
+        follow.until(lambda: sum(r["groups"] == 2 for _, r in follow.records("samples"))
+                     >= TOGETHER, groups)
         killed = _kill_at(follow, groups, groups[1], 0)
         at_kill = follow.last_step("metrics", before=killed)
 
@@ -303,11 +315,11 @@ def _replicas_redone(samples: list[Path], logs: list[Path]) -> dict:
                 per_epoch.setdefault(epoch, Counter())[index] += 1
     twice_samples = sum(n - 1 for counts in per_epoch.values() for n in counts.values())
     texts = [log.read_text() for log in logs]
-    digests = {line.rsplit(" ", 1)[1] for text in texts for line in text.splitlines()
-               if "weights digest" in line}
+    digests = {found for text in texts for found in DIGEST.findall(text)}
     return {"steps_committed_twice": twice_steps, "samples_trained_twice": twice_samples,
             "steps_not_committed": sum(text.count(NOT_COMMITTED) for text in texts),
-            "equal_digests": len(digests) == 1}
+            "equal_digests": {group for group, _, _ in digests} == {"0", "1"}
+            and len({(step, digest) for _, step, digest in digests}) == 1}
 
 
 def ddp_failure(work: Path, round_: int) -> dict:
@@ -360,7 +372,8 @@ def failure(work: Path, rounds: int) -> tuple[list[Figure], dict]:
         "replicas, kill -9 of group 1: steps redone", sum(r["steps_committed_twice"] for r in rep),
         "steps", "", f"samples trained twice {sum(r['samples_trained_twice'] for r in rep)}; "
         f"steps not committed (tried again) {[r['steps_not_committed'] for r in rep]}; equal "
-        f"final digests {all(r['equal_digests'] for r in rep)}"))
+        f"final digests {all(r['equal_digests'] for r in rep)}; killed at "
+        f"{[r['at_kill'] for r in rep]}"))
     figures += [Figure(f"ddp, kill -9 of rank 1: {what}", *spread("ddp", key)[:1], "s", "",
                        spread("ddp", key)[1])
                 for what, key in [("the next step (after the restart)", "next_step_s"),
@@ -392,11 +405,15 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default=",".join(PARTS), help="speed, failure or both")
     parser.add_argument("--json", default="", help="write every run's figures to this file")
+    parser.add_argument("--work", default="", help="keep the runs and their logs in this folder "
+                        "(default: a temporary one)")
     args = parser.parse_args()
     chosen = tuple(name.strip() for name in args.only.split(",") if name.strip())
     measured: dict = {"load_at_start": os.getloadavg(), "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
-        for figure in run(Path(tmp), args.rounds, chosen, measured):
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for figure in run(work, args.rounds, chosen, measured):
             print(figure.line(), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(measured, indent=1, default=str))
