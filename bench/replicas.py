@@ -188,6 +188,8 @@ class Follow:
         self.files = files
         self.places = {name: (0, 0) for name in files}  # (inode, offset)
         self.seen: dict[str, list[tuple[float, str]]] = {name: [] for name in files}
+        # The step records among them (metrics.jsonl, a sample log), read once.
+        self.steps: dict[str, list[tuple[float, dict]]] = {name: [] for name in files}
 
     def poll(self) -> None:
         now = time.time()
@@ -201,8 +203,12 @@ class Follow:
                 self.places[name] = (os.fstat(f.fileno()).st_ino,
                                      (0 if replaced else offset) + len(whole))
                 known = {line for _, line in self.seen[name]} if replaced else set()
-                self.seen[name] += [(now, line) for line in whole.decode().splitlines()
-                                    if line not in known]
+                for line in whole.decode().splitlines():
+                    if line not in known:
+                        self.seen[name].append((now, line))
+                        record = _record_of(line)
+                        if "step" in record:
+                            self.steps[name].append((now, record))
 
     def until(self, done: Callable[[], bool], procs: list[subprocess.Popen],
               timeout: float = 300) -> None:
@@ -216,16 +222,23 @@ class Follow:
             time.sleep(0.01)
 
     def records(self, name: str, after: float = 0.0) -> list[tuple[float, dict]]:
-        """(time seen, record) of each step record (metrics.jsonl, a sample log) seen at or
-        after `after`."""
-        return [(t, r) for t, r in ((t, json.loads(line)) for t, line in self.seen[name]
-                                    if t >= after and line.endswith("}")) if "step" in r]
+        """(time seen, record) of each step record seen at or after `after`."""
+        return [(t, r) for t, r in self.steps[name] if t >= after]
 
     def lines(self, name: str, after: float = 0.0) -> list[tuple[float, str]]:
         return [(t, line) for t, line in self.seen[name] if t >= after]
 
     def last_step(self, name: str, before: float = float("inf")) -> int:
         return max((r["step"] for t, r in self.records(name) if t < before), default=0)
+
+
+def _record_of(line: str) -> dict:
+    """A record of a line, or {} for another line (a log's, one torn by a kill)."""
+    try:
+        record = json.loads(line) if line.startswith("{") else {}
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _workers(pid: int) -> dict[int, int]:
