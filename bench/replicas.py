@@ -6,8 +6,10 @@ samples per rank, SGD with momentum) on synthetic data, as in bench/ema_cost.py,
 learning-rate schedule off. Two sides, each on 2 processes:
 
 - ddp: one torchrun of 2 ranks (DDP on gloo), as a run without replica groups is launched;
-- replicas: a lighthouse (`python -m dtrain lighthouse`, its default heartbeat timeout) and two
-  replica groups of one process each, their gradients averaged through torchft's Manager.
+- replicas: a lighthouse (`python -m dtrain lighthouse`, its defaults: a group is lost after 5 s
+  without a heartbeat) and two replica groups of one process each (plain processes; in the
+  failure runs each group its own torchrun of one rank), their gradients averaged through
+  torchft's Manager.
 
 Speed, no failure: each side trains STEPS steps; a run's step time is the median of its logged
 windows after the first (the wall time of dtrain's TensorBoard events every LOG_EVERY steps, as
@@ -16,7 +18,8 @@ second within each round, the detail its range. Both sides must end with the sam
 failure-free run of replica groups is plain DDP over the same ranks.
 
 A failure: both sides save a checkpoint every CKPT_EVERY steps, as a user would, log every step,
-and have a worker killed with SIGKILL once step KILL_AT is logged, the step under way then lost:
+and have a worker killed with SIGKILL at the first step logged from KILL_AT on (replica groups:
+once both have also taken TOGETHER steps together), the step under way then lost:
 
 - replicas: group 1's worker (its torchrun, --max-restarts=1, starts it again). Measured from
   the kill, by following the files as they grow: group 0's next committed step, and its first
@@ -30,6 +33,7 @@ and have a worker killed with SIGKILL once step KILL_AT is logged, the step unde
   before the kill and logged again after it.
 
     python bench/replicas.py [--rounds 3] [--only speed,failure] [--json results.json]
+                             [--work DIR]     (keeps the runs and their logs there)
 
 Both sides alternate within a round, each round starting with the other. Needs torchft (the
 `replicas` extra). The figures move with the machine's load: the load average is recorded at
