@@ -31,6 +31,7 @@ import memory  # noqa: E402
 import objstore_io  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
+import replicas  # noqa: E402
 import startup  # noqa: E402
 import tokenize_speed  # noqa: E402
 import tokens_data  # noqa: E402
@@ -40,11 +41,13 @@ BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memor
               "frontier": frontier,
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
-              "tokenize": tokenize_speed, "tokens": tokens_data, "objstore": objstore_io}
-# Run on request only (--only exit_codes): 40 launches, several minutes. The timed ones first;
+              "tokenize": tokenize_speed, "tokens": tokens_data, "objstore": objstore_io,
+              "replicas": replicas}
+# Run on request only: exit_codes (40 launches, several minutes) and replicas (torchft, the
+# `replicas` extra; about 10 minutes a round on 2 cores). The timed ones first;
 # the memory ones (peak RSS, the frontier's depths) last, as the machine's load moves them least.
 MEMORY = ["memory", "frontier"]
-DEFAULT = [n for n in BENCHMARKS if n not in ("exit_codes", *MEMORY)] + MEMORY
+DEFAULT = [n for n in BENCHMARKS if n not in ("exit_codes", "replicas", *MEMORY)] + MEMORY
 
 
 def _machine() -> str:
