@@ -287,7 +287,7 @@ def test_fsdp_groups_heal_a_late_group_shard_by_shard(tmp_path, lighthouse):
     # A plain loop over the logged batches: FSDP's sums over ranks come in another order.
     final, replay = final_weights(run_dir), replayed(steps_trained(run_dir), 1024)
     for name, value in replay.items():
-        torch.testing.assert_close(final[name], value, atol=1e-5, rtol=0)
+        torch.testing.assert_close(final[name], value, atol=1e-4, rtol=0)
 
 
 def test_bad_replica_settings_are_one_line_each(tmp_path):

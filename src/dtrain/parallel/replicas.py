@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +45,8 @@ FEATURE = "parallel.replicas"
 # How long a quorum may take, in parallel.replicas.timeout_s: a joining group waits there for
 # the others, and a lighthouse that stopped answering ends the groups after it.
 QUORUM_TIMEOUTS = 2
+# How often a group with fewer than parallel.replicas.min_groups present asks again.
+WAIT_FOR_GROUPS_S = 0.5
 
 HealState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
 
@@ -199,6 +202,7 @@ class Replicas(Groups):
         self._healed_from: int | None = None
         self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
         self._logged: int | None = None  # the step of the sample log's last line
+        self._waiting = False  # for parallel.replicas.min_groups (said once)
         # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
         self._sample_log = (
             open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
@@ -301,15 +305,29 @@ class Replicas(Groups):
         """Whether every group present finished the step's exchange: only then is it taken."""
         error = self.manager.errored()
         committed = bool(self.manager.should_commit())
-        if not committed:  # the step is tried again, after a quorum of its own
-            self._quorum_for = None
-            self._retract(self.manager.current_step() + 1)
-            cause = _shown(error.original_exception) if error else "a group did not finish it"
-            log.warning(
-                f"replica group {self.group}: step {self.manager.current_step() + 1} not "
-                f"committed ({cause}); it is trained again by the groups present"
-            )
-        return committed
+        if committed:
+            self._waiting = False
+            return True
+        step = self.manager.current_step() + 1
+        self._quorum_for = None  # the step is tried again, after a quorum of its own
+        self._retract(step)
+        if error is None and self.groups_present < self.section.min_groups:
+            # Waiting for groups, not failing: said once, and the quorum asked again shortly.
+            if not self._waiting:
+                log.info(
+                    f"replica group {self.group}: waiting for parallel.replicas.min_groups="
+                    f"{self.section.min_groups} groups ({self.groups_present} present) before "
+                    f"step {step}"
+                )
+            self._waiting = True
+            time.sleep(WAIT_FOR_GROUPS_S)
+            return False
+        cause = _shown(error.original_exception) if error else "a group did not finish it"
+        log.warning(
+            f"replica group {self.group}: step {step} not committed ({cause}); it is trained "
+            f"again by the groups present"
+        )
+        return False
 
     def served(self) -> deque[tuple[int, int]] | None:
         return deque() if self._sample_log is not None else None
