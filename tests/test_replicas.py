@@ -250,6 +250,8 @@ def test_a_killed_group_costs_one_replica_and_heals_from_its_peer(tmp_path, ligh
     # the next quorum had one group; a restart quicker than the heartbeat timeout may rejoin
     # before the lighthouse ever drops the group.
     assert "not committed" in first or "replica groups: 2 -> 1 present" in first
+    if "replica groups: 2 -> 1 present" in first:  # the survivor names the group it lost
+        assert re.search(r"2 -> 1 present at step \d+ \(lost: group 1\)", first), first[-3000:]
     assert "healed from a live peer" in second.split("dtrain | torchrun")[2]
     found = digests(*logs)
     assert found[0] == found[1], found

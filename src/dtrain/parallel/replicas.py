@@ -203,6 +203,8 @@ class Replicas(Groups):
         self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
         self._logged: int | None = None  # the step of the sample log's last line
         self._waiting = False  # for parallel.replicas.min_groups (said once)
+        # The groups in the exchange, as each quorum that changed set it up (None: not yet).
+        self.members: set[int] | None = None
         # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
         self._sample_log = (
             open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
@@ -228,7 +230,7 @@ class Replicas(Groups):
         host = advertised_host(self.lighthouse)
         port = _group_store(group_rank, host)
         return Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=_recording_members(ProcessGroupGloo, self, group_size)(timeout=timeout),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=self.section.min_groups,
@@ -252,7 +254,7 @@ class Replicas(Groups):
         again: the groups present changed, or this group was healed (its position moved)."""
         if self._quorum_for == step:
             return False
-        before = (self.groups_present, self.place)
+        before, members = (self.groups_present, self.place), self.members
         self._healed_from = None
         try:
             self.manager.start_quorum()
@@ -282,8 +284,9 @@ class Replicas(Groups):
             )
         elif before[0] and present != before[0]:
             log.warning(
-                f"replica groups: {before[0]} -> {present} present at step {step + 1}; "
-                f"group {self.group} goes on as {place + 1} of {present}"
+                f"replica groups: {before[0]} -> {present} present at step {step + 1}"
+                f"{_changed(members, self.members)}; group {self.group} goes on as {place + 1} of "
+                f"{present}"
             )
         return healed or (present, place) != before
 
@@ -367,6 +370,34 @@ class Replicas(Groups):
                 f"match its digest; this group stops and is healed again when it restarts"
             )
         self._healed_from = self.manager.current_step()
+
+
+def _changed(before: set[int] | None, now: set[int] | None) -> str:
+    """Which groups left and joined between two quorums, for the log: ' (lost: group 1)',
+    ' (joined: group 1)', or '' where it is not known."""
+    if before is None or now is None:
+        return ""
+    lost = ", ".join(f"group {g}" for g in sorted(before - now))
+    joined = ", ".join(f"group {g}" for g in sorted(now - before))
+    shown = "; ".join(
+        p for p in (f"lost: {lost}" if lost else "", f"joined: {joined}" if joined else "") if p
+    )
+    return f" ({shown})" if shown else ""
+
+
+def _recording_members(process_group: Any, replicas: Replicas, group_size: int) -> Any:
+    """torchft's process group for the exchange between groups, noting which groups each new
+    quorum sets it up with: the global ranks it is given are group x group size + rank, as
+    the groups' ids ("group_<g>") number them."""
+
+    class Recording(process_group):
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None)
+            if ranks is not None:
+                replicas.members = {int(r) // group_size for r in ranks}
+            super().configure(*args, **kwargs)
+
+    return Recording
 
 
 def _shown(error: BaseException) -> str:
