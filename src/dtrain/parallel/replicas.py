@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import socket
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,14 +31,19 @@ from torch.distributed import ReduceOp
 
 from dtrain.config import ReplicasConfig
 from dtrain.core.errors import PeerFailure, UserError, first_line
-from dtrain.core.imports import require
 from dtrain.data.sampler import ResumableSampler
 from dtrain.observe import log
-from dtrain.process import compat, dist
+from dtrain.parallel.replica_links import (
+    advertised_host,
+    group_store,
+    quiet_torchft,
+    recording_members,
+    weights_only_transport,
+)
+from dtrain.process import compat
 
 GROUP_ENV = "DTRAIN_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-FEATURE = "parallel.replicas"
 # How long a quorum may take, in parallel.replicas.timeout_s: a joining group waits there for
 # the others, and a lighthouse that stopped answering ends the groups after it.
 QUORUM_TIMEOUTS = 2
@@ -49,15 +51,6 @@ QUORUM_TIMEOUTS = 2
 WAIT_FOR_GROUPS_S = 0.5
 
 HealState = tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]
-
-
-def quiet_torchft() -> None:
-    """torchft, imported with its logs kept to what a user acts on: its servers' per-step lines
-    (Rust, RUST_LOG) at warnings unless the user asks for more, its Python loggers silent (a
-    lost peer's traceback on every group): this module says what happened, in one line each."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    require("torchft", "replicas", FEATURE)
-    logging.getLogger("torchft").setLevel(logging.CRITICAL)
 
 
 def group_of(section: ReplicasConfig, environ: dict[str, str]) -> int:
@@ -89,22 +82,6 @@ def lighthouse_of(section: ReplicasConfig, environ: dict[str, str]) -> str:
             "address it prints"
         )
     return address if "://" in address else f"http://{address}"
-
-
-def check_lighthouse(address: str, timeout_s: float) -> None:
-    """One line, before anything is written, where no lighthouse answers at `address`."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(address)
-    try:
-        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout_s):
-            pass
-    except OSError as e:
-        raise UserError(
-            f"replica groups: no lighthouse answers at {address} ({e.strerror or e}); start "
-            f"one there with `dtrain lighthouse` before the groups, or set "
-            f"parallel.replicas.lighthouse to where it listens"
-        ) from None
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -228,9 +205,9 @@ class Replicas(Groups):
 
         timeout = timedelta(seconds=self.section.timeout_s)
         host = advertised_host(self.lighthouse)
-        port = _group_store(group_rank, host)
+        port = group_store(group_rank, host)
         return Manager(
-            pg=_recording_members(ProcessGroupGloo, self, group_size)(timeout=timeout),
+            pg=recording_members(ProcessGroupGloo, self, group_size)(timeout=timeout),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=self.section.min_groups,
@@ -245,7 +222,7 @@ class Replicas(Groups):
             lighthouse_addr=self.lighthouse,
             replica_id=f"group_{self.group}",
             hostname=host,
-            checkpoint_transport=_weights_only_transport(timeout, host),
+            checkpoint_transport=weights_only_transport(timeout, host),
         )
 
     def regroup(self, step: int) -> bool:
@@ -385,73 +362,8 @@ def _changed(before: set[int] | None, now: set[int] | None) -> str:
     return f" ({shown})" if shown else ""
 
 
-def _recording_members(process_group: Any, replicas: Replicas, group_size: int) -> Any:
-    """torchft's process group for the exchange between groups, noting which groups each new
-    quorum sets it up with: the global ranks it is given are group x group size + rank, as
-    the groups' ids ("group_<g>") number them."""
-
-    class Recording(process_group):
-        def configure(self, *args: Any, **kwargs: Any) -> None:
-            ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None)
-            if ranks is not None:
-                replicas.members = {int(r) // group_size for r in ranks}
-            super().configure(*args, **kwargs)
-
-    return Recording
-
-
 def _shown(error: BaseException) -> str:
     """A failed exchange's cause in a line: gloo's message without the source location it
     begins with ("[.../pair.cc:561] Connection closed by peer ...")."""
     line = first_line(error)
     return line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
-
-
-def advertised_host(lighthouse: str) -> str:
-    """The address the other groups reach this host at: the one of the interface that routes to
-    the lighthouse (which every group reaches), not the host's name, which hosts in containers
-    or network namespaces may share."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(lighthouse)
-    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((parts.hostname or "", parts.port or 80))  # (a route, no packet sent)
-        return str(probe.getsockname()[0])
-
-
-def _group_store(group_rank: int, host: str) -> int:
-    """The port of the TCP store this group's Manager keeps its rendezvous in, at `host`: one
-    started here on the group's first rank, its port shared with the group's other ranks; the
-    other groups connect to it when the quorum changes."""
-    from torch.distributed import TCPStore
-
-    port = 0
-    if group_rank == 0:
-        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        _STORES.append(store)  # kept for the process's lifetime, as the Manager holds a client
-        port = store.port
-    return int(dist.broadcast_object(port))
-
-
-_STORES: list[Any] = []
-
-
-def _weights_only_transport(timeout: timedelta, host: str) -> Any:
-    """torchft's HTTP checkpoint transport, reading a peer's state with torch's weights-only
-    loader: a heal receives tensors and plain values, never code to run (torchft's own reader
-    unpickles whatever the address serves); its address names `host`, not the host's name."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class WeightsOnly(HTTPTransport):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return compat.stream_load_weights_only(f)
-
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            shown = f"[{host}]" if ":" in host else host
-            return f"http://{shown}:{port}/checkpoint/"
-
-    return WeightsOnly(timeout=timeout, num_chunks=0)

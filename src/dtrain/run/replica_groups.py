@@ -20,16 +20,8 @@ from dtrain.checkpoint import Contents
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.files.store import Store
-from dtrain.parallel.replicas import (
-    Groups,
-    HealState,
-    OneGroup,
-    Replicas,
-    check_lighthouse,
-    group_of,
-    lighthouse_of,
-    quiet_torchft,
-)
+from dtrain.parallel.replica_links import check_lighthouse, quiet_torchft
+from dtrain.parallel.replicas import Groups, HealState, OneGroup, Replicas, group_of, lighthouse_of
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 
