@@ -52,9 +52,10 @@ def lighthouse():
     assert proc.wait(timeout=20) == 0
 
 
-def group_args(run_dir: Path, address: str, group: int, extra: list[str]) -> list[str]:
+def group_args(run_dir: Path, address: str, group: int, extra: list[str],
+               groups: int = 2) -> list[str]:
     return [*TINY, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
-            "parallel.replicas.groups=2", f"parallel.replicas.group={group}",
+            f"parallel.replicas.groups={groups}", f"parallel.replicas.group={group}",
             f"parallel.replicas.lighthouse={address}", "parallel.replicas.sample_log=true",
             "parallel.replicas.timeout_s=10", *extra]
 
@@ -73,24 +74,26 @@ def _no_group_left_running():
 
 
 def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: Path,
-                torchrun: list[str] | None = None, host: list[str] | None = None):
-    """One replica group: a plain process, or under `torchrun`; `host` (a command that runs
-    what follows on another test host) before it."""
+                torchrun: list[str] | None = None, host: list[str] | None = None,
+                groups: int = 2, env: dict | None = None):
+    """One replica group of `groups`: a plain process, or under `torchrun`; `host` (a command
+    that runs what follows on another test host) before it; `env`: entries added to its
+    environment."""
     prefix = [*(host or []), *(torchrun if torchrun is not None else [sys.executable])]
+    args = group_args(run_dir, address, group, extra, groups)
     with open(log, "w") as out:
-        proc = forkserver.popen([*prefix, TRAIN, *group_args(run_dir, address, group, extra)],
-                                cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = forkserver.popen([*prefix, TRAIN, *args], cwd=REPO, env=child_env(env),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     STARTED.append(proc)
     return proc
 
 
 def steps_trained(run_dir: Path) -> dict[int, list[dict]]:
-    """Every committed step's lines of the sample logs of both groups (a killed process's and
+    """Every committed step's lines of the sample logs of every group (a killed process's and
     its restart's lines in one file; a line that a retraction follows left out), by step."""
     by_step: dict[int, list[dict]] = {}
     for path in sorted([*run_dir.glob("replica_samples.rank*.jsonl"),
-                        *(run_dir / "replicas" / "group_1").glob("replica_samples.rank*.jsonl")]):
+                        *run_dir.glob("replicas/group_*/replica_samples.rank*.jsonl")]):
         kept: list[dict] = []
         for line in path.read_text().splitlines():
             entry = json.loads(line)
@@ -105,7 +108,7 @@ def steps_trained(run_dir: Path) -> dict[int, list[dict]]:
 
 
 def assert_every_sample_once(run_dir: Path, epochs: int, size: int, batch: int,
-                             ranks: int = 1) -> Counter:
+                             ranks: int = 1, groups: int = 2) -> Counter:
     """Each step has a line per rank of each group present, the groups in distinct places; over
     the run, every sample of each epoch is trained exactly once (drop_last drops less than a
     step of the groups)."""
@@ -127,7 +130,7 @@ def assert_every_sample_once(run_dir: Path, epochs: int, size: int, batch: int,
     for epoch, counts in per_epoch.items():
         assert max(counts.values()) == 1, f"epoch {epoch}: a sample trained twice"
         # drop_last: a whole number of steps of the groups present; never more than a step lost
-        assert size - 2 * batch < len(counts) <= size, (epoch, len(counts))
+        assert size - groups * batch < len(counts) <= size, (epoch, len(counts))
     return groups_per_step
 
 
@@ -290,6 +293,91 @@ def test_fsdp_groups_heal_a_late_group_shard_by_shard(tmp_path, lighthouse):
     final, replay = final_weights(run_dir), replayed(steps_trained(run_dir), 1024)
     for name, value in replay.items():
         torch.testing.assert_close(final[name], value, atol=1e-4, rtol=0)
+
+
+# Loaded by the donors of the test below (a sitecustomize on their PYTHONPATH): once the test
+# arms it, the first heal any of them serves stops half-way, the pid that serves it written to
+# the marker file, until the test kills that process.
+STALL_FIRST_HEAL = """
+import os
+marker = os.environ.get("STALL_FIRST_HEAL")
+if marker:
+    import io, time
+    os.environ.setdefault("RUST_LOG", "warn")  # (as dtrain sets it before importing torchft)
+    from torchft.checkpointing import http_transport
+    serve = http_transport._streaming_save
+    def stalled(state, stream):
+        try:  # armed by the test: the first heal served after that stops half-way
+            os.rename(marker + ".armed", marker + ".taken")
+        except FileNotFoundError:
+            return serve(state, stream)
+        whole = io.BytesIO()
+        serve(state, whole)
+        stream.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+        stream.flush()
+        with open(marker + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.rename(marker + ".tmp", marker)
+        time.sleep(600)
+    http_transport._streaming_save = stalled
+"""
+
+
+@pytest.mark.slow
+def test_a_heal_whose_donor_dies_mid_copy_heals_from_another_peer(tmp_path, lighthouse):
+    """Three groups; group 2 joins late, and the peer it heals from is killed half-way through
+    sending. Group 2 says so in one line and heals from the other live peer at the next quorum;
+    the killed donor is restarted by torchrun and heals too; nothing is lost or trained twice."""
+    extra = ["model.name=observe_models:slow_cnn", "model.args={width: 8, delay_s: 0.05}",
+             "data.synthetic.train_size=2048", "train.epochs=6", "ckpt.every_steps=10"]
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / f"g{g}.log" for g in range(3)]
+    marker = tmp_path / "stalled_donor"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STALL_FIRST_HEAL)
+    stall = {"STALL_FIRST_HEAL": str(marker),
+             "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO / "tests"),
+                                            str(REPO / "src")])}
+    donors = [start_group(run_dir, lighthouse, g, extra, logs[g],
+                          torchrun_cmd(1, extra=["--max-restarts=1"]), groups=3, env=stall)
+              for g in (0, 1)]
+    together = run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while not (together.exists() and together.read_text().count('"groups": 2') >= 10
+               and (run_dir / "checkpoints" / "latest").exists()):
+        assert all(d.poll() is None for d in donors) and time.monotonic() < deadline
+        time.sleep(0.05)
+    Path(f"{marker}.armed").touch()
+    late = start_group(run_dir, lighthouse, 2, extra, logs[2], groups=3)
+    while not marker.exists():
+        assert late.poll() is None and time.monotonic() < deadline, logs[2].read_text()[-3000:]
+        time.sleep(0.02)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # the donor, half-way through the heal
+
+    assert [p.wait(timeout=300) for p in (*donors, late)] == [0, 0, 0], \
+        [log.read_text()[-2000:] for log in logs]
+    texts = [log.read_text() for log in logs]
+    victim = next(g for g in (0, 1) if texts[g].count("dtrain | torchrun") == 2)
+    assert texts[1 - victim].count("dtrain | torchrun") == 1
+    # The late group: one line for the heal that failed, then a heal from the other peer.
+    failed = [line for line in texts[2].splitlines() if "replica group 2: " in line
+              and "healed" not in line and "left at step" not in line]
+    assert len(failed) == 1 and "cannot take part in the step under way (the heal from http://" \
+        in failed[0] and "broke off" in failed[0], texts[2][-3000:]
+    assert texts[2].index(failed[0]) < texts[2].index("healed from a live peer")
+    assert "Traceback" not in texts[2]
+    # The killed donor came back from its checkpoint and healed from a live peer as well.
+    assert "healed from a live peer" in texts[victim].split("dtrain | torchrun")[2]
+    found = digests(*logs)
+    assert sorted(found) == [0, 1, 2] and len(set(found.values())) == 1, found
+    # Group 2 started from group 0's checkpoint through links of its own (group 0 deletes its
+    # older checkpoints meanwhile), and heals between launches of both kinds (a plain process;
+    # one under torchrun, whose model DDP wraps).
+    assert len(list((run_dir / "replicas" / "group_2" / "start").iterdir())) == 1
+    started = re.search(r"resumed from \S*/replicas/group_2/start/step_\d+", texts[2])
+    assert started, texts[2][:3000]
+    groups = assert_every_sample_once(run_dir, epochs=6, size=2048, batch=16, groups=3)
+    assert groups[2] >= 1 and groups[3] >= 1, groups
 
 
 def test_bad_replica_settings_are_one_line_each(tmp_path):

@@ -13,7 +13,7 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
-from dtrain.core.errors import UserError
+from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.process import compat, dist
 
@@ -99,8 +99,11 @@ def weights_only_transport(timeout: timedelta, host: str) -> Any:
     class WeightsOnly(HTTPTransport):
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return compat.stream_load_weights_only(f)
+            try:
+                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                    return compat.stream_load_weights_only(f)
+            except Exception as e:  # noqa: BLE001 - a peer lost mid-copy: said in a line
+                raise RuntimeError(f"the heal from {address} broke off: {first_line(e)}") from None
 
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]

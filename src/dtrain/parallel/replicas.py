@@ -180,6 +180,7 @@ class Replicas(Groups):
         self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
         self._logged: int | None = None  # the step of the sample log's last line
         self._waiting = False  # for parallel.replicas.min_groups (said once)
+        self._failed_quorum = False  # this step's quorum failed here (said once)
         # The groups in the exchange, as each quorum that changed set it up (None: not yet).
         self.members: set[int] | None = None
         # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
@@ -235,6 +236,8 @@ class Replicas(Groups):
         self._healed_from = None
         try:
             self.manager.start_quorum()
+        except PeerFailure:  # a heal received that this group cannot take (`_load`)
+            raise
         except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse is gone or silent
             raise PeerFailure(
                 f"replica group {self.group}: no quorum from the lighthouse at "
@@ -248,9 +251,10 @@ class Replicas(Groups):
         self._quorum_for = self.manager.current_step()
         healed = self._healed_from is not None
         error = self.manager.errored()
-        if error is not None and not healed:  # a heal (or the quorum's group) that failed
+        self._failed_quorum = error is not None and not healed
+        if self._failed_quorum:  # a heal (or setting up the exchange) that failed: said here
             log.warning(
-                f"replica group {self.group}: step {step + 1} cannot be taken here "
+                f"replica group {self.group}: cannot take part in the step under way "
                 f"({_shown(error.original_exception)}): it is not committed, and the next "
                 f"quorum tries again (a heal from another live peer)"
             )
@@ -284,7 +288,14 @@ class Replicas(Groups):
     def commit(self) -> bool:
         """Whether every group present finished the step's exchange: only then is it taken."""
         error = self.manager.errored()
-        committed = bool(self.manager.should_commit())
+        try:
+            committed = bool(self.manager.should_commit())
+        except Exception as e:  # noqa: BLE001 - e.g. a heal it serves that never finished
+            raise PeerFailure(
+                f"replica group {self.group}: step {self.manager.current_step() + 1} cannot be "
+                f"committed ({_shown(e)}); this group stops, and heals from a live peer when "
+                f"its launcher starts it again"
+            ) from None
         if committed:
             self._waiting = False
             return True
@@ -301,6 +312,8 @@ class Replicas(Groups):
                 )
             self._waiting = True
             time.sleep(WAIT_FOR_GROUPS_S)
+            return False
+        if self._failed_quorum:  # (said by `regroup`)
             return False
         cause = _shown(error.original_exception) if error else "a group did not finish it"
         log.warning(
@@ -340,13 +353,24 @@ class Replicas(Groups):
         return {"run": self._heal_state[0](), "digest": weights_digest(self.model)}
 
     def _load(self, state: dict[str, Any]) -> None:
-        self._heal_state[1](state["run"])
+        """Take a heal received from a live peer. A state that does not fit, or whose weights
+        do not reproduce the donor's digest, ends this group (part of it may have been applied):
+        its launcher starts it again, and it heals then."""
+        step = self.manager.current_step()
+        try:
+            self._heal_state[1](state["run"])
+        except Exception as e:  # noqa: BLE001 - said in a line, with what did not fit
+            raise PeerFailure(
+                f"replica group {self.group}: the state a live peer sent at step {step} does "
+                f"not fit this group ({type(e).__name__}: {_shown(e)}); every group needs the "
+                f"same model and the same parallel layout; this group stops"
+            ) from None
         if weights_digest(self.model) != state["digest"]:
-            raise RuntimeError(
-                f"replica group {self.group}: the weights received from a live peer do not "
-                f"match its digest; this group stops and is healed again when it restarts"
+            raise PeerFailure(
+                f"replica group {self.group}: the weights a live peer sent at step {step} do "
+                f"not match its digest; this group stops and heals again when it restarts"
             )
-        self._healed_from = self.manager.current_step()
+        self._healed_from = step
 
 
 def _changed(before: set[int] | None, now: set[int] | None) -> str:
@@ -364,6 +388,7 @@ def _changed(before: set[int] | None, now: set[int] | None) -> str:
 
 def _shown(error: BaseException) -> str:
     """A failed exchange's cause in a line: gloo's message without the source location it
-    begins with ("[.../pair.cc:561] Connection closed by peer ...")."""
+    begins with ("[.../pair.cc:561] Connection closed by peer ...") and the advice after it."""
     line = first_line(error)
-    return line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+    line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+    return line.split(". This is typically caused", 1)[0]  # (gloo's advice to read the logs)

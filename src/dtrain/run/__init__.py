@@ -56,7 +56,13 @@ from dtrain.run.components import (
 from dtrain.run.eval_tasks import EvalTasks, read_eval_tasks
 from dtrain.run.pieces import Pieces, build_pieces, layout_of
 from dtrain.run.remote import RemoteRun
-from dtrain.run.replica_groups import as_group, build_replicas, global_rank, this_group
+from dtrain.run.replica_groups import (
+    as_group,
+    build_replicas,
+    global_rank,
+    start_point,
+    this_group,
+)
 from dtrain.run.resume import already_past, resume_or_start
 
 
@@ -233,6 +239,7 @@ def _train(
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, learner.model)  # None unless train.ema.decay is set
     spec = pieces.spec
+    cfg = start_point(cfg, group)  # another group's: group 0's newest checkpoint
     checkpoints = build_checkpointer(cfg, layout, store, pieces, learner, spec, state, ema)
     resumed = resume_or_start(checkpoints, cfg, layout, pieces, spec, state, learner.schedule)
     if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):

@@ -11,7 +11,9 @@ checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -20,12 +22,14 @@ from dtrain.checkpoint import Contents
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.files.store import Store
+from dtrain.parallel import unwrap
 from dtrain.parallel.replica_links import check_lighthouse, quiet_torchft
 from dtrain.parallel.replicas import Groups, HealState, OneGroup, Replicas, group_of, lighthouse_of
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
 
 FOLDER = "replicas"
+START = "start"  # inside a group's directory: the checkpoint it started from
 SAMPLE_LOG = "replica_samples"
 
 
@@ -48,17 +52,57 @@ def this_group(cfg: Config) -> int | None:
 
 def as_group(cfg: Config, group: int | None) -> Config:
     """The config a group runs with: group 0's is the run's own; another group's run directory
-    is `replicas/group_<g>` inside the run's, it saves no checkpoint, and it starts from group
-    0's newest one (read only) where there is one: close to the live groups it then heals from,
-    and at the run's end when the run has finished (it then trains nothing)."""
+    is `replicas/group_<g>` inside the run's, and it saves no checkpoint (where it starts from:
+    `start_point`)."""
     if not group:
         return cfg
     run = dataclasses.replace(
         cfg.run, out_dir=os.path.join(cfg.run_dir, FOLDER), name=f"group_{group}"
     )
-    saved = Store(cfg.run_dir).complete()
-    ckpt = dataclasses.replace(cfg.ckpt, resume=saved[0].path if saved else "none")
-    return dataclasses.replace(cfg, run=run, ckpt=ckpt)
+    return dataclasses.replace(cfg, run=run, ckpt=dataclasses.replace(cfg.ckpt, resume="none"))
+
+
+def start_point(cfg: Config, group: int | None) -> Config:
+    """Another group starts from group 0's newest checkpoint where there is one: close to the
+    live groups it then heals from, and at the run's end when the run has finished (it then
+    trains nothing). Its files are linked into this group's `start/` first (hard links, or
+    copies across file systems), as group 0 may delete that checkpoint (ckpt.keep_last) while
+    this group reads it; one rank chooses, for every rank of the group."""
+    if not group:
+        return cfg
+    path = dist.on_main(lambda: _linked_newest(os.path.dirname(cfg.run.out_dir), cfg.run_dir))
+    return dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, resume=path or "none"))
+
+
+def _linked_newest(source: str, run_dir: str, tries: int = 5) -> str | None:
+    start = os.path.join(run_dir, START)
+    for _ in range(tries):  # each try a newer checkpoint: the one chosen was deleted meanwhile
+        saved = Store(source).complete()
+        if not saved:
+            return None
+        target = os.path.join(start, saved[0].name)
+        if not os.path.isdir(target):
+            partial = target + ".partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                shutil.copytree(saved[0].path, partial, copy_function=_link_or_copy)
+            except OSError:
+                continue
+            os.replace(partial, target)
+        for name in os.listdir(start):  # the start points of this group's earlier launches
+            if name != saved[0].name:
+                shutil.rmtree(os.path.join(start, name), ignore_errors=True)
+        return target
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.copy2(src, dst)
 
 
 def build_replicas(
@@ -72,7 +116,7 @@ def build_replicas(
         group,
         dist.rank(),
         layout.world_size,
-        contents.model,
+        unwrap(contents.model),  # (its names as a checkpoint's, whether wrapped by DDP or not)
         heal_state(contents),
         step,
         layout.batch_size * layout.grad_accum,
@@ -94,12 +138,14 @@ def heal_state(contents: Contents) -> HealState:
     """What a live peer sends a healing group, and how the group takes it: the model, the
     optimizer and every part a checkpoint holds, as this rank holds them (a group's rank r heals
     from the donor's rank r; under FSDP, its shards: plain tensors on the wire, placed back as
-    this rank's own)."""
+    this rank's own). The model's names are the bare module's: a group of one process under
+    torchrun (wrapped in DDP) and a plain one heal each other."""
+    model = unwrap(contents.model)
 
     def state() -> dict[str, Any]:
         optimizer = contents.optimizer.state_dict()
         return {
-            "model": {k: compat.local_part(v) for k, v in contents.model.state_dict().items()},
+            "model": {k: compat.local_part(v) for k, v in model.state_dict().items()},
             "optimizer": {
                 **optimizer,
                 "state": compat.tree_map_tensors(compat.local_part, optimizer["state"]),
@@ -113,7 +159,7 @@ def heal_state(contents: Contents) -> HealState:
 
     def load(received: dict[str, Any]) -> None:
         with torch.no_grad():
-            for name, mine in contents.model.state_dict().items():
+            for name, mine in model.state_dict().items():
                 compat.local_part(mine).copy_(received["model"][name])
         contents.optimizer.load_state_dict(
             _placed_like_params(contents.optimizer, received["optimizer"])
