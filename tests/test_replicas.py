@@ -380,6 +380,34 @@ def test_a_heal_whose_donor_dies_mid_copy_heals_from_another_peer(tmp_path, ligh
     assert groups[2] >= 1 and groups[3] >= 1, groups
 
 
+def test_a_group_with_another_model_cannot_heal_and_says_so_in_one_line(tmp_path, lighthouse):
+    """A group launched with another model (a wider one) asks to heal from the live group: it
+    stops in one line, exit 1, and the live group finishes the run with nothing lost."""
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    paced = ["model.name=observe_models:slow_cnn", "data.synthetic.train_size=1024"]
+    first = start_group(run_dir, lighthouse, 0, [*paced, "model.args={width: 8, delay_s: 0.05}"],
+                        logs[0])
+    samples = run_dir / "replica_samples.rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (samples.exists() and samples.read_text().count("\n") >= 3):
+        assert first.poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    other = start_group(run_dir, lighthouse, 1, [*paced, "model.args={width: 16, delay_s: 0.05}"],
+                        logs[1])
+    assert (other.wait(timeout=120), first.wait(timeout=300)) == (1, 0), \
+        [log.read_text()[-3000:] for log in logs]
+    text = logs[1].read_text()
+    [line] = [line for line in text.splitlines() if "does not fit" in line]
+    assert re.search(r"replica group 1: the state a live peer sent at step \d+ does not fit this "
+                     r"group \(RuntimeError: .*\); every group needs the same model and the same "
+                     r"parallel layout; this group stops$", line), line
+    assert "Traceback" not in text
+    assert not (run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl").exists() or \
+        "groups" not in (run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl").read_text()
+    assert_every_sample_once(run_dir, epochs=1, size=1024, batch=16, groups=1)
+
+
 def test_bad_replica_settings_are_one_line_each(tmp_path):
     cases = [
         (["parallel.replicas.groups=2"], "this launch's group is not known"),
