@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from conftest import REPO, TINY
 from slurm_jobs import Job, slurm_env
-from test_replicas import assert_every_sample_once, digests  # (skips without torchft)
+# (this module skips without torchft, as test_replicas does; `lighthouse` is a fixture)
+from test_replicas import assert_every_sample_once, digests, lighthouse  # noqa: F401
 from test_slurm import CONFIG, needs_cluster, sbatch
 
 SCRIPT = "slurm/replicas.sbatch"
@@ -122,3 +123,109 @@ def test_a_killed_group_is_started_again_by_the_script_and_heals(tmp_path: Path)
     assert found[0] == found[1] and found[0][0] >= 128, found
     groups = assert_every_sample_once(run_dir, epochs=1, size=4096, batch=16)
     assert groups[1] >= 1 and groups[2] >= 1  # steps alone and steps together
+
+
+def fake_array_task(env: dict) -> subprocess.CompletedProcess:
+    """The script as an array task would start, with `env` as SLURM sets it and no cluster:
+    what it checks before it starts anything."""
+    base = {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "0",
+            "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0",
+            "SLURM_ARRAY_TASK_MAX": "1", "SLURM_NTASKS": "1"}
+    return subprocess.run(["bash", SCRIPT, CONFIG], cwd=REPO, env={**slurm_env(), **base, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_array_task_without_a_lighthouse_or_with_a_gap_is_one_line_and_exit_2() -> None:
+    cases = [
+        ({}, "dtrain: slurm error: a job array of replica groups needs a lighthouse that outlives "
+             "its tasks: start `dtrain lighthouse` where every node reaches it and submit with "
+             "LIGHTHOUSE=host:port"),
+        ({"SLURM_ARRAY_TASK_MAX": "2", "LIGHTHOUSE": "http://127.0.0.1:1"},
+         "dtrain: slurm error: the array's task indices must be contiguous (--array=0-1): task i "
+         "is replica group i - the first index"),
+    ]
+    for env, line in cases:
+        proc = fake_array_task(env)
+        assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, ""), proc
+
+
+@pytest.mark.slurm
+@needs_cluster
+def test_a_job_array_runs_one_group_per_task_with_a_lighthouse_of_its_own(
+        tmp_path: Path, lighthouse: str) -> None:
+    run_dir = tmp_path / "runs" / "array"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--array=5-6", "--ntasks=1", f"--output={tmp_path}/a-%A_%a.out",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", SCRIPT, CONFIG, *TINY,
+         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
+         "parallel.replicas.sample_log=true", "parallel.replicas.timeout_s=10",
+         "parallel.replicas.min_groups=2"],
+        cwd=REPO, env=slurm_env(extra={"LIGHTHOUSE": lighthouse}), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    array = proc.stdout.strip().split(";")[0]
+    tasks = [Job(f"{array}_{t}", tmp_path / f"a-{array}_{t}.out") for t in (5, 6)]
+    for task in tasks:
+        fields = task.wait_end(timeout=300)
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), task.output()
+    logs = [tmp_path / f"a-{array}_{t}.group{g}.out" for g, t in enumerate((5, 6))]
+    for g, (task, log) in enumerate(zip(tasks, logs)):
+        output = task.output()
+        assert f"dtrain: job {task.id} (restart 0) on " in output
+        assert "2 replica group(s) x 1 rank(s)" in output
+        assert f"dtrain: this array task is replica group {g}; lighthouse {lighthouse}" in output
+        assert "lighthouse listening" not in output  # the one given, none of its own
+        assert not (tmp_path / f"a-{array}_{5 + g}.lighthouse.out").exists()
+        assert f"replica group {g} started (start 1)" in output
+        assert "dtrain: every replica group finished (of this array task)" in output
+        assert "slurm: 1 node(s) x 1 rank(s) = world size 1" in log.read_text()
+    found = digests(*logs)
+    assert found[0] == found[1] and found[0][0] == 16, found
+    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16)
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_cluster
+def test_a_preempted_array_task_requeues_itself_alone_and_heals(
+        tmp_path: Path, lighthouse: str) -> None:
+    run_dir = tmp_path / "runs" / "preempted"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--array=0-1", "--ntasks=1", f"--output={tmp_path}/a-%A_%a.out",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", SCRIPT, CONFIG, *TINY,
+         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *PACED,
+         "parallel.replicas.sample_log=true", "parallel.replicas.timeout_s=10"],
+        cwd=REPO, env=slurm_env(extra={"LIGHTHOUSE": lighthouse}), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    array = proc.stdout.strip().split(";")[0]
+    first, second = (Job(f"{array}_{t}", tmp_path / f"a-{array}_{t}.out") for t in (0, 1))
+    together = run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while not (together.exists() and together.read_text().count('"groups": 2') >= 3):
+        assert time.monotonic() < deadline, second.output()[-3000:]
+        time.sleep(0.2)
+    second.cancel(signal="USR1")  # the time-limit warning, to task 1's batch shell alone
+
+    for task, restarts in ((first, "0"), (second, "1")):
+        fields = task.wait_end(timeout=300)
+        assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == \
+            ("COMPLETED", "0:0", restarts), task.output()[-3000:]
+    assert "got SIG" not in first.output() and "(restart 1)" not in first.output()
+    output = second.output()
+    assert f"job {second.id} got SIGUSR1: asking every replica group to checkpoint" in output
+    assert f"job {second.id} (restart 1) on " in output
+    assert "dtrain: replica group 1 stopped at a step boundary (SIGUSR1)" in output
+    assert output.count("dtrain: replica group 1 finished") == 1  # after the restart
+    log = (tmp_path / f"a-{array}_1.group1.out").read_text()
+    assert re.search(r"stop requested \(SIGUSR1\) at step \d+", log), log[-3000:]
+    assert re.search(r"stopped at a step boundary [\d.]+ s after SIGUSR1", log), log[-3000:]
+    assert (f"requeueing SLURM job {second.id}; it heals from a live peer when it starts again"
+            in log)
+    assert "healed from a live peer" in log.split("dtrain | slurm")[2]
+    logs = [tmp_path / f"a-{array}_{g}.group{g}.out" for g in (0, 1)]
+    found = digests(*logs)
+    assert found[0] == found[1] and found[0][0] >= 128, found
+    groups = assert_every_sample_once(run_dir, epochs=1, size=4096, batch=16)
+    assert groups[1] >= 1 and groups[2] >= 1  # group 0 alone while task 1 was requeued

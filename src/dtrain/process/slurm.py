@@ -107,18 +107,20 @@ def _suggested_grace(save_s: float) -> int:
     return int(60 + 2 * save_s + 30)
 
 
-def after_preemption(requeue_job: bool, env: Env) -> None:
+def after_preemption(requeue_job: bool, env: Env, saved: bool = True) -> None:
     """Rank 0, once the preemption checkpoint is complete: report the timing, then requeue a
     job that is still running (the time-limit warning, a preemption's grace time). A job that
     is already ending was cancelled or ran out of time: requeueing it would undo a scancel.
     An array task requeues itself alone (`scontrol requeue <array job>_<task>`).
-    `requeue_job` is slurm.requeue."""
+    `requeue_job` is slurm.requeue; `saved` is false for a replica group that keeps no
+    checkpoint (it heals from a live peer when it starts again)."""
     job_id = job_label(env.slurm_job_id)
     name = signals.received()
     fields = job_fields(job_id) if job_id else {}
     state = fields.get("JobState")
     if name is not None:
-        took = f"preemption checkpoint saved {signals.seconds_since():.1f} s after {name}"
+        what = "preemption checkpoint saved" if saved else "stopped at a step boundary"
+        took = f"{what} {signals.seconds_since():.1f} s after {name}"
         left = seconds_left(fields)
         log.info(took if left is None else f"{took}, {left:.0f} s before the job's time limit")
     if job_id is None:
@@ -135,12 +137,12 @@ def after_preemption(requeue_job: bool, env: Env) -> None:
             f"time limit): not requeued; submit it again to resume from the checkpoint"
         )
         return
-    requeue(job_id)
+    requeue(job_id, "resumes from this checkpoint" if saved else "heals from a live peer")
 
 
-def requeue(job_id: str) -> None:
+def requeue(job_id: str, then: str = "resumes from this checkpoint") -> None:
     """`scontrol requeue`: SLURM stops what is left of the job and starts it again later."""
-    log.info(f"requeueing SLURM job {job_id}; it resumes from this checkpoint when it starts again")
+    log.info(f"requeueing SLURM job {job_id}; it {then} when it starts again")
     try:
         proc = subprocess.run(
             ["scontrol", "requeue", job_id],

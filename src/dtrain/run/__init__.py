@@ -169,10 +169,9 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
         outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks, group)
-        if outcome == "preempted" and dist.is_main() and not group:  # group 0 owns the job
-            slurm.after_preemption(
-                cfg.slurm.requeue, env
-            )  # the checkpoint is complete: requeue the job
+        if outcome == "preempted" and dist.is_main() and _owns_its_job(group, env):
+            # The checkpoint is complete (group 0's; another group keeps none): requeue.
+            slurm.after_preemption(cfg.slurm.requeue, env, saved=not group)
         # No rank leaves before rank 0 has published the last checkpoint and requeued: under
         # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
         dist.barrier()
@@ -195,6 +194,13 @@ def train(cfg: Config, config_path: str | None = None) -> str:
             remote.close(answering)
         lock.release()
         dist.shutdown()
+
+
+def _owns_its_job(group: int | None, env: env_mod.Env) -> bool:
+    """Whether this run requeues its SLURM job when preempted: a run of its own, or replica
+    group 0 (its job's other groups are job steps beside it), or any group that is a task of a
+    job array (each task requeues itself: it is a job of its own to SLURM)."""
+    return not group or slurm.job_label(env.slurm_job_id) != env.slurm_job_id
 
 
 def _interrupted(store: CheckpointStore | None) -> Interrupted:
