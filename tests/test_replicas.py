@@ -295,6 +295,26 @@ def test_fsdp_groups_heal_a_late_group_shard_by_shard(tmp_path, lighthouse):
         torch.testing.assert_close(final[name], value, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+def test_fsdp_groups_without_a_failure_equal_plain_hsdp_on_the_same_ranks(tmp_path, lighthouse):
+    """Two groups of two FSDP ranks from the first step train what one torchrun of HSDP over
+    the same four ranks (2 replicas x 2 shards) trains: the same samples on each rank, the
+    same weights bit for bit."""
+    extra = ["parallel.mode=fsdp", "data.synthetic.train_size=512"]
+    run_dir = tmp_path / "replicas"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    procs = [start_group(run_dir, lighthouse, g, [*extra, "parallel.replicas.min_groups=2"],
+                         logs[g], torchrun_cmd(2)) for g in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], \
+        [log.read_text()[-3000:] for log in logs]
+    hsdp = launch(tmp_path / "hsdp", [*extra, "parallel.fsdp.hybrid_replicas=2"], nproc=4)
+    assert hsdp.returncode == 0, hsdp.stderr[-3000:]
+    assert "world size 4" in hsdp.stderr
+    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16, ranks=2)
+    ours, plain = final_weights(run_dir), final_weights(tmp_path / "hsdp")
+    assert set(ours) == set(plain) and all(torch.equal(ours[k], plain[k]) for k in plain)
+
+
 # Loaded by the donors of the test below (a sitecustomize on their PYTHONPATH): once the test
 # arms it, the first heal any of them serves stops half-way, the pid that serves it written to
 # the marker file, until the test kills that process.
