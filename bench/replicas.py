@@ -15,7 +15,8 @@ Speed, no failure: each side trains STEPS steps; a run's step time is the median
 windows after the first (the wall time of dtrain's TensorBoard events every LOG_EVERY steps, as
 bench/ema_cost.py reads it); the figure is the median over rounds of ddp/replicas steps per
 second within each round, the detail its range. Both sides must end with the same weights: a
-failure-free run of replica groups is plain DDP over the same ranks.
+failure-free run of replica groups is plain DDP over the same ranks. The groups run as a user's
+would, without the sample log (parallel.replicas.sample_log, an audit the failure runs keep on).
 
 A failure: both sides save a checkpoint every CKPT_EVERY steps, as a user would, log every step,
 and have a worker killed with SIGKILL at the first step logged from KILL_AT on (replica groups:
@@ -80,10 +81,11 @@ def _job(steps: int, log_every: int) -> list[str]:
             "log.progress=lines"]
 
 
-def _groups(address: str, group: int, min_groups: int) -> list[str]:
+def _groups(address: str, group: int, min_groups: int, sample_log: bool = True) -> list[str]:
+    """One group's settings; the sample log (a line a step) where the audit reads it."""
     return ["parallel.replicas.groups=2", f"parallel.replicas.group={group}",
             f"parallel.replicas.lighthouse={address}", f"parallel.replicas.min_groups={min_groups}",
-            "parallel.replicas.sample_log=true"]
+            f"parallel.replicas.sample_log={str(sample_log).lower()}"]
 
 
 def _command(run_dir: Path, overrides: list[str], nproc: int, restarts: int = 0) -> list[str]:
@@ -147,7 +149,7 @@ def speed_run(work: Path, side: str, round_: int) -> dict:
         with lighthouse(logs[0]) as address:
             # Both groups from the first step (a group alone would take it by itself).
             groups = [_start(_command(run_dir, [*_job(STEPS, LOG_EVERY),
-                                                *_groups(address, g, min_groups=2)], 0), log)
+                                                *_groups(address, g, 2, sample_log=False)], 0), log)
                       for g, log in zip((0, 1), logs[1:], strict=True)]
             _wait(groups, logs[1:])
     return {"step_s": _step_time(run_dir), "run_dir": str(run_dir), "load": _load()}
