@@ -61,6 +61,7 @@ def group_args(run_dir: Path, address: str, group: int, extra: list[str],
 
 
 STARTED: list = []  # every group a test started, killed at its end if still running
+STOP_AFTER: list[int] = []  # pids to kill at the test's end
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +72,11 @@ def _no_group_left_running():
         if proc.poll() is None:
             kill_tree(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+    while STOP_AFTER:  # (processes in sessions of their own: a lighthouse a launch started)
+        try:
+            os.kill(STOP_AFTER.pop(), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def start_group(run_dir: Path, address: str, group: int, extra: list[str], log: Path,
@@ -426,6 +432,77 @@ def test_a_group_with_another_model_cannot_heal_and_says_so_in_one_line(tmp_path
     assert not (run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl").exists() or \
         "groups" not in (run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl").read_text()
     assert_every_sample_once(run_dir, epochs=1, size=1024, batch=16, groups=1)
+
+
+@pytest.mark.slow
+def test_a_launch_starts_the_lighthouse_and_it_outlives_the_launch(tmp_path):
+    """parallel.replicas.start_lighthouse: group 0's torchrun, on the host the address names,
+    starts the lighthouse; group 1 finds it there; group 0's worker killed, torchrun starts it
+    again and it heals while the lighthouse, in a session of its own, serves on."""
+    address = f"http://127.0.0.1:{free_port()}"
+    extra = ["model.name=observe_models:slow_cnn", "model.args={width: 8, delay_s: 0.05}",
+             "data.synthetic.train_size=1024", "parallel.replicas.start_lighthouse=true"]
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    first = start_group(run_dir, address, 0, extra, logs[0],
+                        torchrun_cmd(1, extra=["--max-restarts=1"]))
+    deadline = time.monotonic() + 120
+    while "started a lighthouse" not in logs[0].read_text():
+        assert first.poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    started = re.search(r"started a lighthouse \(pid (\d+)\) on port \d+ of this host "
+                        r"\(parallel.replicas.start_lighthouse; its log: (\S+)\): it stops once "
+                        r"no group has been heard for 60 s", logs[0].read_text())
+    assert started, logs[0].read_text()[-3000:]
+    lighthouse = int(started.group(1))
+    STOP_AFTER.append(lighthouse)
+    assert Path(started.group(2)) == run_dir / "replicas" / "lighthouse.log"
+    second = start_group(run_dir, address, 1, extra, logs[1])
+    together = run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"
+    while not (together.exists() and together.read_text().count('"groups": 2') >= 5):
+        assert second.poll() is None and time.monotonic() < deadline, logs[1].read_text()[-3000:]
+        time.sleep(0.05)
+    # torchrun's worker: its child (the lighthouse is the worker's, in a session of its own)
+    worker = [p for p in descendants(first.pid)
+              if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(first.pid)]
+    assert len(worker) == 1 and lighthouse not in worker, worker
+    os.kill(worker[0], signal.SIGKILL)  # (torchrun's worker; the lighthouse lives on)
+
+    assert (first.wait(timeout=300), second.wait(timeout=300)) == (0, 0), \
+        [log.read_text()[-3000:] for log in logs]
+    texts = [log.read_text() for log in logs]
+    assert "started a lighthouse" not in texts[1]
+    assert texts[0].count("started a lighthouse") == 1  # (the restarted worker found it)
+    assert "healed from a live peer" in texts[0].split("dtrain | torchrun")[2]
+    found = digests(*logs)
+    assert found[0] == found[1], found
+    assert_every_sample_once(run_dir, epochs=1, size=1024, batch=16)
+    os.kill(lighthouse, 0)  # still there after both launches ended (it stops when idle)
+    os.kill(lighthouse, signal.SIGTERM)
+    assert "lighthouse listening on" in (run_dir / "replicas" / "lighthouse.log").read_text()
+
+
+def test_a_lighthouse_stops_once_no_group_is_heard(tmp_path):
+    """`dtrain lighthouse --exit-when-idle-s`: up while a group trains against it, stopped
+    once no group has sent a heartbeat for that long."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}",
+         "--heartbeat-timeout-s=1", "--exit-when-idle-s=3"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(proc)  # (stopped at the test's end if it is still running)
+    assert "lighthouse listening on" in proc.stdout.readline()
+    # One group of two, alone: 32 steps of 0.2 s, longer than the 3 s it may be idle.
+    run = launch(tmp_path / "run", ["parallel.replicas.groups=2", "parallel.replicas.group=0",
+                                    f"parallel.replicas.lighthouse=http://127.0.0.1:{port}",
+                                    "model.name=observe_models:slow_cnn",
+                                    "model.args={width: 8, delay_s: 0.2}"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert max(run.losses()) == 32 and proc.poll() is None
+    ended = time.monotonic()
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - ended < 10
+    assert proc.stderr.read().strip().endswith("lighthouse stopped: no group for 3 s")
 
 
 def test_bad_replica_settings_are_one_line_each(tmp_path):

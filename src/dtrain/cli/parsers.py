@@ -307,6 +307,14 @@ def _lighthouse(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how long a quorum waits for more groups to join once it has enough (default 1)",
     )
+    p.add_argument(
+        "--exit-when-idle-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop once no group has sent a heartbeat for this long (default 0: never; the "
+        "lighthouse a launch starts for parallel.replicas.start_lighthouse stops after 60 s)",
+    )
 
 
 def _convert(p: argparse.ArgumentParser) -> None:

@@ -72,6 +72,12 @@ class ReplicasConfig:
         doc="the lighthouse's address, http://HOST:PORT (`dtrain lighthouse` starts one; empty: "
         "the TORCHFT_LIGHTHOUSE environment variable)",
     )
+    start_lighthouse: bool = option(
+        False,
+        doc="the launch on the host the lighthouse's address names starts one there when none "
+        "answers (it outlives the launch and stops a minute after the last group); launches "
+        "elsewhere wait for it",
+    )
     min_groups: int = option(
         1, check=AT_LEAST_ONE, doc="the fewest groups a step may be taken with"
     )

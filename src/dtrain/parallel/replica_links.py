@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 import urllib.request
 from datetime import timedelta
 from typing import Any
@@ -29,13 +32,90 @@ def quiet_torchft() -> None:
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
 
 
-def check_lighthouse(address: str, timeout_s: float) -> None:
-    """One line, before anything is written, where no lighthouse answers at `address`."""
+# A lighthouse a launch started stops once no group has sent it a heartbeat for this long.
+IDLE_S = 60.0
+WAIT_POLL_S = 0.2
+
+
+def reach_lighthouse(address: str, timeout_s: float, start: bool, log_path: str) -> str | None:
+    """The lighthouse answers at `address` before anything starts, or one line says it does
+    not. With parallel.replicas.start_lighthouse, the launch on the host the address names
+    starts one there when none answers (its first process: the others wait for it), in a
+    session of its own so that it outlives the launch (a group's restart included) until no
+    group has been heard for IDLE_S; a launch on another host waits for it up to
+    2 x timeout_s (the group that starts it may come later). Returns the line that says it
+    started one (to log once the console is set up), if it did."""
+    started = None
+    if start:
+        host, port = _host_port(address)
+        deadline = time.monotonic() + 2 * timeout_s
+        if not _answers(host, port, timeout_s) and _is_this_host(host) and _first_process():
+            started = _start_lighthouse(port, log_path)
+        while not _answers(host, port, timeout_s) and time.monotonic() < deadline:
+            time.sleep(WAIT_POLL_S)
+    check_lighthouse(address, timeout_s)
+    return started
+
+
+def _host_port(address: str) -> tuple[str, int]:
     from urllib.parse import urlsplit
 
     parts = urlsplit(address)
+    return parts.hostname or "", parts.port or 80
+
+
+def _answers(host: str, port: int, timeout_s: float) -> bool:
     try:
-        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout_s):
+        with socket.create_connection((host, port), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether `host` names an address of this machine (one it can bind)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _, _, where in found:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((where[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _first_process() -> bool:
+    """The launch's first process on this host (a plain process; torchrun's local rank 0)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _start_lighthouse(port: int, log_path: str) -> str:
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    command = [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}"]
+    with open(log_path, "a", encoding="utf-8") as out:
+        server = subprocess.Popen(
+            [*command, f"--exit-when-idle-s={IDLE_S:g}"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # (not stopped with the launch, nor by its restart)
+        )
+    return (
+        f"started a lighthouse (pid {server.pid}) on port {port} of this host "
+        f"(parallel.replicas.start_lighthouse; its log: {log_path}): it stops once no group "
+        f"has been heard for {IDLE_S:g} s"
+    )
+
+
+def check_lighthouse(address: str, timeout_s: float) -> None:
+    """One line, before anything is written, where no lighthouse answers at `address`."""
+    host, port = _host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout_s):
             pass
     except OSError as e:
         raise UserError(

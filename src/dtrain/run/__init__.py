@@ -140,7 +140,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
-    group = this_group(cfg)  # parallel.replicas: this launch's group (None without)
+    # parallel.replicas: this launch's group (None without); `lighthouse`: it started one
+    group, lighthouse = this_group(cfg)
     cfg = as_group(cfg, group)
     layout = layout_of(cfg, env)
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
@@ -149,6 +150,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
     setup_logging(dist.rank(), cfg.log.all_ranks)
+    if lighthouse:
+        log.info(lighthouse)
     signals.install()
     lock = RunDirLock(cfg.run_dir, shown=cfg.run_url)  # a staging folder: named as its run
     remote = RemoteRun(cfg, dist.rank()) if cfg.run_url else None

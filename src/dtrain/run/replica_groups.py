@@ -23,7 +23,7 @@ from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.files.store import Store
 from dtrain.parallel import unwrap
-from dtrain.parallel.replica_links import check_lighthouse, quiet_torchft
+from dtrain.parallel.replica_links import quiet_torchft, reach_lighthouse
 from dtrain.parallel.replicas import Groups, HealState, OneGroup, Replicas, group_of, lighthouse_of
 from dtrain.process import compat, dist
 from dtrain.process.layout import Layout
@@ -31,13 +31,15 @@ from dtrain.process.layout import Layout
 FOLDER = "replicas"
 START = "start"  # inside a group's directory: the checkpoint it started from
 SAMPLE_LOG = "replica_samples"
+LIGHTHOUSE_LOG = "lighthouse.log"  # beside the groups' folders: the one a launch started
 
 
-def this_group(cfg: Config) -> int | None:
-    """This launch's replica group, or None for a run without replica groups."""
+def this_group(cfg: Config) -> tuple[int | None, str | None]:
+    """This launch's replica group, or None for a run without replica groups; and the line
+    that says this launch started the lighthouse, if it did."""
     section = cfg.parallel.replicas
     if not section.groups:
-        return None
+        return None, None
     if cfg.run_url:
         raise UserError(
             "config error: parallel.replicas with run.out_dir in an object store is not "
@@ -46,8 +48,10 @@ def this_group(cfg: Config) -> int | None:
     group = group_of(section, dict(os.environ))
     # The extra missing, no lighthouse known or none answering: one line before anything starts.
     quiet_torchft()
-    check_lighthouse(lighthouse_of(section, dict(os.environ)), section.timeout_s)
-    return group
+    address = lighthouse_of(section, dict(os.environ))
+    log_path = os.path.join(cfg.run_dir, FOLDER, LIGHTHOUSE_LOG)
+    started = reach_lighthouse(address, section.timeout_s, section.start_lighthouse, log_path)
+    return group, started
 
 
 def as_group(cfg: Config, group: int | None) -> Config:
