@@ -52,6 +52,15 @@ def assert_completed(job: Job) -> tuple[str, list[str]]:
     return job.output(), texts
 
 
+def assert_the_tiny_run_agreed(run_dir: Path, logs: list[Path]) -> None:
+    """Both groups of the tiny job ended at its step 16 with equal digests, every sample trained
+    once, and group 0 wrote the checkpoints."""
+    found = digests(*logs)
+    assert found[0] == found[1] and found[0][0] == 16, found
+    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16)
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+
 def training_pids(job: Job, step_name: str) -> list[int]:
     """The task processes of the job's running step `step_name` (srun --job-name), from
     `scontrol listpids` (its rows with a task id; slurmstepd's own have none)."""
@@ -79,10 +88,7 @@ def test_two_groups_as_job_steps_agree_and_train_every_sample_once(tmp_path: Pat
     assert "dtrain: every replica group finished" in output
     for log in logs:
         assert "slurm: 1 node(s) x 1 rank(s) = world size 1" in log
-    found = digests(*group_logs(job))
-    assert found[0] == found[1] and found[0][0] == 16, found
-    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16)
-    assert (run_dir / "checkpoints" / "latest").exists()
+    assert_the_tiny_run_agreed(run_dir, group_logs(job))
 
 
 @pytest.mark.slurm
@@ -149,22 +155,30 @@ def test_an_array_task_without_a_lighthouse_or_with_a_gap_is_one_line_and_exit_2
         assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, ""), proc
 
 
+def submit_array(tmp_path: Path, run_dir: Path, indices: tuple[int, int], lighthouse: str,
+                 overrides: list[str]) -> tuple[str, list[Job]]:
+    """An array of two tasks of one task each (`indices`), sample logs on, the lighthouse
+    given; the array's id and its tasks, each with its log."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--array={indices[0]}-{indices[1]}", "--ntasks=1",
+         f"--output={tmp_path}/a-%A_%a.out", "--gpus-per-node=0", "--cpus-per-task=1",
+         "--time=10", SCRIPT, CONFIG, *TINY, f"run.out_dir={run_dir.parent}",
+         f"run.name={run_dir.name}", "parallel.replicas.sample_log=true",
+         "parallel.replicas.timeout_s=10", *overrides],
+        cwd=REPO, env=slurm_env(extra={"LIGHTHOUSE": lighthouse}), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    array = proc.stdout.strip().split(";")[0]
+    return array, [Job(f"{array}_{t}", tmp_path / f"a-{array}_{t}.out") for t in indices]
+
+
 @pytest.mark.slurm
 @needs_cluster
 def test_a_job_array_runs_one_group_per_task_with_a_lighthouse_of_its_own(
         tmp_path: Path, lighthouse: str) -> None:
     run_dir = tmp_path / "runs" / "array"
-    proc = subprocess.run(
-        ["sbatch", "--parsable", "--array=5-6", "--ntasks=1", f"--output={tmp_path}/a-%A_%a.out",
-         "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", SCRIPT, CONFIG, *TINY,
-         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
-         "parallel.replicas.sample_log=true", "parallel.replicas.timeout_s=10",
-         "parallel.replicas.min_groups=2"],
-        cwd=REPO, env=slurm_env(extra={"LIGHTHOUSE": lighthouse}), capture_output=True,
-        text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    array = proc.stdout.strip().split(";")[0]
-    tasks = [Job(f"{array}_{t}", tmp_path / f"a-{array}_{t}.out") for t in (5, 6)]
+    array, tasks = submit_array(tmp_path, run_dir, (5, 6), lighthouse,
+                                ["parallel.replicas.min_groups=2"])
     for task in tasks:
         fields = task.wait_end(timeout=300)
         assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), task.output()
@@ -179,10 +193,7 @@ def test_a_job_array_runs_one_group_per_task_with_a_lighthouse_of_its_own(
         assert f"replica group {g} started (start 1)" in output
         assert "dtrain: every replica group finished (of this array task)" in output
         assert "slurm: 1 node(s) x 1 rank(s) = world size 1" in log.read_text()
-    found = digests(*logs)
-    assert found[0] == found[1] and found[0][0] == 16, found
-    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16)
-    assert (run_dir / "checkpoints" / "latest").exists()
+    assert_the_tiny_run_agreed(run_dir, logs)
 
 
 @pytest.mark.slurm
@@ -191,16 +202,7 @@ def test_a_job_array_runs_one_group_per_task_with_a_lighthouse_of_its_own(
 def test_a_preempted_array_task_requeues_itself_alone_and_heals(
         tmp_path: Path, lighthouse: str) -> None:
     run_dir = tmp_path / "runs" / "preempted"
-    proc = subprocess.run(
-        ["sbatch", "--parsable", "--array=0-1", "--ntasks=1", f"--output={tmp_path}/a-%A_%a.out",
-         "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", SCRIPT, CONFIG, *TINY,
-         f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *PACED,
-         "parallel.replicas.sample_log=true", "parallel.replicas.timeout_s=10"],
-        cwd=REPO, env=slurm_env(extra={"LIGHTHOUSE": lighthouse}), capture_output=True,
-        text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    array = proc.stdout.strip().split(";")[0]
-    first, second = (Job(f"{array}_{t}", tmp_path / f"a-{array}_{t}.out") for t in (0, 1))
+    array, (first, second) = submit_array(tmp_path, run_dir, (0, 1), lighthouse, PACED)
     together = run_dir / "replicas" / "group_1" / "replica_samples.rank0.jsonl"
     deadline = time.monotonic() + 180
     while not (together.exists() and together.read_text().count('"groups": 2') >= 3):
