@@ -303,9 +303,12 @@ def _lighthouse(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--join-timeout-s",
         type=float,
-        default=1.0,
+        default=60.0,
         metavar="S",
-        help="how long a quorum waits for more groups to join once it has enough (default 1)",
+        help="how long a quorum waits for a live group (one that sends heartbeats) to ask for it "
+        "(default 60: longer than the groups' parallel.replicas.timeout_s, the longest an "
+        "exchange with a lost peer holds a live group; shorter, the groups that are behind may "
+        "retake a step the others took)",
     )
     p.add_argument(
         "--exit-when-idle-s",

@@ -350,6 +350,11 @@ class Replicas(Groups):
         self.manager.shutdown(wait=False)
 
     def _state(self) -> dict[str, Any]:
+        """What this group sends a group that heals from it (asked once per heal it serves)."""
+        log.info(
+            f"replica group {self.group}: sending its state at step "
+            f"{self.manager.current_step()} to a group that heals from it"
+        )
         return {"run": self._heal_state[0](), "digest": weights_digest(self.model)}
 
     def _load(self, state: dict[str, Any]) -> None:
