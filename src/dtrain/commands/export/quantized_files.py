@@ -22,6 +22,7 @@ from dtrain import config
 from dtrain.commands.export.check import CheckFailed
 from dtrain.commands.export.hf_files import TOKENIZER_FILES, copy_from_folder
 from dtrain.commands.export.onnx_file import export_failure, run_session
+from dtrain.commands.export.torch_files import save_compact
 from dtrain.core.errors import UserError
 from dtrain.core.imports import require
 from dtrain.files import outputs
@@ -73,7 +74,7 @@ def write_program(model: nn.Module, meta: dict, out: str, example: Any) -> Any:
             raise CheckFailed(export_failure(e).replace("ONNX exporter", "torch.export")) from None
         for node in program.graph.nodes:
             node.meta.pop("stack_trace", None)
-        torch.export.save(program, out)
+        save_compact(program, out)
     return example
 
 
