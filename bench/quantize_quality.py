@@ -10,6 +10,10 @@ over the validation batches, both sides timed in the same process).
 - The GPT (configs/gpt_tokens.yaml shortened: GPT_OVERRIDES, on `dtrain tokenize --corpus
   python_docs`): `int8-dynamic` and `int8-weight` as torch.export files, `int8-dynamic` as ONNX:
   the rise of validation bits per byte, file and latency ratios.
+- An `hf:` Llama (LLAMA: a LlamaForCausalLM saved from its config, drawn from seed 0, on the
+  GPT's tokens and steps): `int8-dynamic` and `int8-weight` as Hugging Face folders that
+  transformers loads with torchao: the rise of validation bits per byte, folder and latency
+  ratios.
 - QAT against PTQ: the same GPT trained for the same steps with `train.qat.scheme=int8-dynamic`
   (fake quantization from QAT_START on), exported with `--quantize int8-dynamic`; both drops
   against the float run's full-precision bits per byte, and the share of the post-training drop
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -47,11 +52,16 @@ GPT_STEPS = 120
 GPT_OVERRIDES = [f"train.max_steps={GPT_STEPS}", "train.eval_every_steps=60",
                  "sched.warmup_steps=20"]
 QAT_START = GPT_STEPS // 2
+# 4.1 M parameters, the head untied from the token embedding as in Llama's own checkpoints.
+LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+LLAMA_OVERRIDES = ["model.args={}", "optim.lr=0.001"]
 # (model, format, scheme): every export measured.
 EXPORTS = [("cnn", "exported", "int8-static"), ("cnn", "onnx", "int8-static"),
            ("gpt", "exported", "int8-dynamic"), ("gpt", "exported", "int8-weight"),
-           ("gpt", "onnx", "int8-dynamic"), ("qat", "exported", "int8-dynamic")]
-SUFFIX = {"exported": ".pt2", "onnx": ".onnx"}
+           ("gpt", "onnx", "int8-dynamic"), ("qat", "exported", "int8-dynamic"),
+           ("llama", "hf", "int8-dynamic"), ("llama", "hf", "int8-weight")]
+SUFFIX = {"exported": ".pt2", "onnx": ".onnx", "hf": ""}
 
 
 def dtrain(*args: str) -> list[str]:
@@ -64,15 +74,29 @@ def train(work: Path) -> dict[str, Path]:
     common.run(dtrain("tokenize", "--corpus", "python_docs", "--out", str(tokens),
                       "--vocab-size", "2048"))
     gpt = [f"data.root={tokens}", *GPT_OVERRIDES]
+    llama = [*gpt, f"model.name=hf:{save_llama(work / 'llama', tokens)}", *LLAMA_OVERRIDES]
     runs = {"cnn": (CNN_CONFIG, CNN_OVERRIDES), "gpt": (GPT_CONFIG, gpt),
             "qat": (GPT_CONFIG, [*gpt, "train.qat.scheme=int8-dynamic",
-                                 f"train.qat.start_step={QAT_START}"])}
+                                 f"train.qat.start_step={QAT_START}"]),
+            "llama": (GPT_CONFIG, llama)}
     dirs = {}
     for name, (config, overrides) in runs.items():
         dirs[name] = work / "runs" / name
         print(f"training {name}", file=sys.stderr, flush=True)
         common.run(common.dtrain_cmd(dirs[name], overrides, nproc=2, config=config), timeout=1200)
     return dirs
+
+
+def save_llama(folder: Path, tokens: Path) -> Path:
+    """The `hf:` model folder: a Llama of LLAMA's sizes and the token files' vocabulary."""
+    import torch
+    import transformers
+
+    vocab = json.loads((tokens / "meta.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, vocab_size=vocab)) \
+        .save_pretrained(folder)
+    return folder
 
 
 def export(run_dir: Path, form: str, scheme: str, out: Path) -> dict:
@@ -108,7 +132,8 @@ def figures_of(key: tuple[str, str, str], results: list[dict]) -> list[Figure]:
         Figure(f"{label}: drop", first["drop"], first["drop_unit"],
                goal="" if model == "qat" else goal, detail=detail),
         Figure(f"{label}: file int8/fp32", common.median(size), "x",
-               goal="<= 0.3x" if model == "gpt" and form == "exported" else "",
+               goal="<= 0.3x" if model == "llama" or (model, form) == ("gpt", "exported")
+               else "",
                detail=f"{first['size_bytes_after'] / 1e6:.3f} vs "
                       f"{first['size_bytes_before'] / 1e6:.3f} MB"),
         Figure(f"{label}: latency int8/fp32", common.median(latency), "x",
@@ -148,7 +173,10 @@ def run(work: Path, rounds: int = 2) -> list[Figure]:
             out = work / "exports" / f"{model}-{scheme}-{i}-{j}{SUFFIX[form]}"
             out.parent.mkdir(parents=True, exist_ok=True)
             results[key].append(export(dirs[model], form, scheme, out))
-            out.unlink()
+            if out.is_dir():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
     figures = [Figure(f"quantize: {name} run, final {metric}", value, "",
                       detail=f"step {step}")
                for name, (metric, value, step) in _finals(dirs).items()]
