@@ -52,7 +52,7 @@ GPT_STEPS = 120
 GPT_OVERRIDES = [f"train.max_steps={GPT_STEPS}", "train.eval_every_steps=60",
                  "sched.warmup_steps=20"]
 QAT_START = GPT_STEPS // 2
-# 4.1 M parameters, the head untied from the token embedding as in Llama's own checkpoints.
+# About 4 M parameters, the head untied from the token embedding as in Llama's own checkpoints.
 LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 LLAMA_OVERRIDES = ["model.args={}", "optim.lr=0.001"]

@@ -89,8 +89,9 @@ def _is_this_host(host: str) -> bool:
 
 
 def _first_process() -> bool:
-    """The launch's first process on this host (a plain process; torchrun's local rank 0)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
+    """The launch's first process on this host (a plain process; torchrun's local rank 0; an
+    srun step's task 0 on the node)."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
 def _start_lighthouse(port: int, log_path: str) -> str:
