@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,20 @@ def test_export_round_trip(finished, tmp_path, capsys) -> None:
     scripted = torch.jit.load(str(tmp_path / "model.torchscript"))
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(scripted(x), model.eval()(x))
+    # torch.export's own loader reads the program, whose JSON records dtrain deflates.
+    program = torch.export.load(str(tmp_path / "model.exported"))
+    assert all(torch.equal(program.state_dict[k], v) for k, v in weights.items())
+    assert_deflated_graph(tmp_path / "model.exported")
+
+
+def assert_deflated_graph(path: Path) -> None:
+    """A .pt2 archive dtrain wrote: its JSON records (the graph among them) deflated, its
+    tensors stored as torch writes them."""
+    with zipfile.ZipFile(path) as archive:
+        kinds = {entry.filename: entry.compress_type for entry in archive.infolist()}
+    assert any(name.endswith("models/model.json") for name in kinds), sorted(kinds)
+    assert all((kind == zipfile.ZIP_DEFLATED) == name.endswith(".json")
+               for name, kind in kinds.items()), kinds
 
 
 # -- a relaunch with another model: refused, the run as it was ----------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, TESTS, dtrain, launch
+from test_checkpoint import assert_deflated_graph
 
 onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("torchao")
@@ -128,6 +129,8 @@ def test_each_format_and_scheme_loads_and_gives_the_metric_dtrain_printed(family
     assert result["max_drop"] == (1.0 if family == "cnn" else 2.0)
     assert result["latency_how"] == ("onnxruntime" if fmt == "onnx" else "eager")
     assert result["size_bytes_after"] == os.path.getsize(out)
+    if fmt == "exported":
+        assert_deflated_graph(out)
     if scheme == "int8-static":
         assert result["calibration_batches"] == 4
     for name in ("val_acc", "val_loss") if family == "cnn" else ("val_loss",):
