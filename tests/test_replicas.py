@@ -395,8 +395,11 @@ def test_a_heal_whose_donor_dies_mid_copy_heals_from_another_peer(tmp_path, ligh
         in failed[0] and "broke off" in failed[0], texts[2][-3000:]
     assert texts[2].index(failed[0]) < texts[2].index("healed from a live peer")
     assert "Traceback" not in texts[2]
-    # The killed donor came back from its checkpoint and healed from a live peer as well.
-    assert "healed from a live peer" in texts[victim].split("dtrain | torchrun")[2]
+    # The killed donor came back from its checkpoint and healed from a live peer as well, or,
+    # its checkpoint at the step the others were at (the step under way not committed), took
+    # part as it was, a donor again.
+    assert re.search(r"healed from a live peer|replica group \d: sending its state at step",
+                     texts[victim].split("dtrain | torchrun")[2]), texts[victim][-3000:]
     found = digests(*logs)
     assert sorted(found) == [0, 1, 2] and len(set(found.values())) == 1, found
     # Group 2 started from group 0's checkpoint through links of its own (group 0 deletes its
