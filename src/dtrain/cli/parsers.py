@@ -315,8 +315,9 @@ def _lighthouse(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="S",
-        help="stop once no group has sent a heartbeat for this long (default 0: never; the "
-        "lighthouse a launch starts for parallel.replicas.start_lighthouse stops after 60 s)",
+        help="stop once no group has sent a heartbeat for this long, or, before any has, for 5 "
+        "minutes (default 0: never; the lighthouse a launch starts for "
+        "parallel.replicas.start_lighthouse stops after 60 s)",
     )
 
 

@@ -64,15 +64,18 @@ def main(args: argparse.Namespace) -> int:
 # The lighthouse's status page counts the groups whose heartbeats are current.
 HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
 POLL_S = 1.0
+FIRST_GROUP_S = 300.0
 
 
 class Idle:
     """Whether no group has sent a heartbeat for `seconds` (0: never idle), from the
-    lighthouse's own status page; idle from the start too (a lighthouse no group reached)."""
+    lighthouse's own status page. Until a first group is heard, FIRST_GROUP_S at least: the
+    groups may take that long to start, and a lighthouse no group reaches stops all the same."""
 
     def __init__(self, port: int, seconds: float) -> None:
         self.port, self.seconds = port, seconds
-        self.heard = time.monotonic()
+        self.started = self.heard = time.monotonic()
+        self.any = False  # a group heard yet
 
     def expired(self) -> bool:
         url = f"http://127.0.0.1:{self.port}/status"
@@ -83,5 +86,7 @@ class Idle:
             found = None
         now = time.monotonic()
         if found is None or int(found.group(1)) > 0:  # (a page it cannot read: not idle)
-            self.heard = now
+            self.heard, self.any = now, self.any or found is not None
+        if not self.any:
+            return now - self.started >= max(self.seconds, FIRST_GROUP_S)
         return now - self.heard >= self.seconds
