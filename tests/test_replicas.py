@@ -488,6 +488,29 @@ def test_a_launch_starts_the_lighthouse_and_it_outlives_the_launch(tmp_path):
     assert "lighthouse listening on" in (run_dir / "replicas" / "lighthouse.log").read_text()
 
 
+def test_groups_started_together_start_one_lighthouse_and_say_so_once(tmp_path):
+    """parallel.replicas.start_lighthouse with both groups on this host, started at once: one
+    of them starts the lighthouse and says so; the other finds it (not a second that exits on
+    the taken port while its launch logs that it started it)."""
+    address = f"http://127.0.0.1:{free_port()}"
+    extra = ["parallel.replicas.start_lighthouse=true", "parallel.replicas.min_groups=2"]
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    procs = [start_group(run_dir, address, g, extra, logs[g]) for g in (0, 1)]
+    codes = [proc.wait(timeout=300) for proc in procs]
+    texts = [log.read_text() for log in logs]
+    started = re.findall(r"started a lighthouse \(pid (\d+)\)", "".join(texts))
+    STOP_AFTER.extend(int(pid) for pid in started)
+    assert codes == [0, 0], [text[-3000:] for text in texts]
+    assert len(started) == 1, texts
+    os.kill(int(started[0]), 0)  # (the one it names is the one that serves)
+    served = (run_dir / "replicas" / "lighthouse.log").read_text()
+    assert served.count("lighthouse listening on") == 1, served
+    found = digests(*logs)
+    assert found[0] == found[1], found
+    assert_every_sample_once(run_dir, epochs=1, size=512, batch=16)
+
+
 def test_a_lighthouse_stops_once_no_group_is_heard(tmp_path):
     """`dtrain lighthouse --exit-when-idle-s`: up while a group trains against it, stopped
     once no group has sent a heartbeat for that long."""

@@ -6,6 +6,7 @@ reads a heal weights-only. `replicas.py` holds what the loop asks of the groups.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -49,9 +50,9 @@ def reach_lighthouse(address: str, timeout_s: float, start: bool, log_path: str)
     if start:
         host, port = _host_port(address)
         deadline = time.monotonic() + 2 * timeout_s
-        if not _answers(host, port, timeout_s) and _is_this_host(host) and _first_process():
-            started = _start_lighthouse(port, log_path)
-        while not _answers(host, port, timeout_s) and time.monotonic() < deadline:
+        if _is_this_host(host) and _first_process():
+            started = _start_unless_answering(host, port, log_path, deadline)
+        while _connect_error(host, port, timeout_s) and time.monotonic() < deadline:
             time.sleep(WAIT_POLL_S)
     check_lighthouse(address, timeout_s)
     return started
@@ -64,12 +65,13 @@ def _host_port(address: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or 80
 
 
-def _answers(host: str, port: int, timeout_s: float) -> bool:
+def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why nothing answers at host:port, or None where something does."""
     try:
         with socket.create_connection((host, port), timeout_s):
-            return True
-    except OSError:
-        return False
+            return None
+    except OSError as e:
+        return e
 
 
 def _is_this_host(host: str) -> bool:
@@ -94,17 +96,26 @@ def _first_process() -> bool:
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
-def _start_lighthouse(port: int, log_path: str) -> str:
+def _start_unless_answering(host: str, port: int, log_path: str, deadline: float) -> str | None:
+    """Start a lighthouse where none answers yet, one launch at a time: groups of one run
+    directory started together on this host take a lock on its log in turn, so that the
+    second finds the first one's lighthouse answering rather than starting one that exits at
+    once on the taken port (and saying that it started it). The line that says it started
+    one, where this launch's lighthouse is the one that answers."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    command = [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}"]
-    with open(log_path, "a", encoding="utf-8") as out:
-        server = subprocess.Popen(
-            [*command, f"--exit-when-idle-s={IDLE_S:g}"],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # (not stopped with the launch, nor by its restart)
-        )
+    with open(log_path, "a", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        if not _connect_error(host, port, WAIT_POLL_S):
+            return None
+        server = _start_lighthouse(port, log_path)
+        while (
+            _connect_error(host, port, WAIT_POLL_S)
+            and server.poll() is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(WAIT_POLL_S)
+        if server.poll() is not None:  # (it could not listen: its log says why)
+            return None
     return (
         f"started a lighthouse (pid {server.pid}) on port {port} of this host "
         f"(parallel.replicas.start_lighthouse; its log: {log_path}): it stops once no group "
@@ -112,18 +123,27 @@ def _start_lighthouse(port: int, log_path: str) -> str:
     )
 
 
+def _start_lighthouse(port: int, log_path: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "dtrain", "lighthouse", f"--port={port}"]
+    with open(log_path, "a", encoding="utf-8") as out:
+        return subprocess.Popen(
+            [*command, f"--exit-when-idle-s={IDLE_S:g}"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # (not stopped with the launch, nor by its restart)
+        )
+
+
 def check_lighthouse(address: str, timeout_s: float) -> None:
     """One line, before anything is written, where no lighthouse answers at `address`."""
-    host, port = _host_port(address)
-    try:
-        with socket.create_connection((host, port), timeout_s):
-            pass
-    except OSError as e:
+    error = _connect_error(*_host_port(address), timeout_s)
+    if error:
         raise UserError(
-            f"replica groups: no lighthouse answers at {address} ({e.strerror or e}); start "
-            f"one there with `dtrain lighthouse` before the groups, or set "
+            f"replica groups: no lighthouse answers at {address} ({error.strerror or error}); "
+            f"start one there with `dtrain lighthouse` before the groups, or set "
             f"parallel.replicas.lighthouse to where it listens"
-        ) from None
+        )
 
 
 def recording_members(process_group: Any, replicas: Any, group_size: int) -> Any:
