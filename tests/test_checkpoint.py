@@ -276,7 +276,8 @@ def test_export_round_trip(finished, tmp_path, capsys) -> None:
 
 def assert_deflated_graph(path: Path) -> None:
     """A .pt2 archive dtrain wrote: its JSON records (the graph among them) deflated, its
-    tensors stored as torch writes them."""
+    tensors stored as torch writes them; nothing of the writing left beside it."""
+    assert not list(path.parent.glob(".*.part")), list(path.parent.iterdir())
     with zipfile.ZipFile(path) as archive:
         kinds = {entry.filename: entry.compress_type for entry in archive.infolist()}
     assert any(name.endswith("models/model.json") for name in kinds), sorted(kinds)

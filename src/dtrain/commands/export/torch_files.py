@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -70,10 +71,13 @@ def save_compact(program: Any, out: str) -> None:
     """torch.export.save with the archive's JSON records (the graph, the weights' and constants'
     lists) deflated and its tensors stored as torch writes them: an int8 graph's many small
     operators (some thirty added to each Linear layer's forward) are text that compresses about
-    tenfold, and torch.export.load reads deflated records as it reads stored ones."""
-    raw = out + ".raw"
-    torch.export.save(program, raw)
+    tenfold, and torch.export.load reads deflated records as it reads stored ones. torch's
+    archive is written to a file of its own beside `out` first (on disk rather than in memory:
+    a model's weights may not fit twice), under a fresh name that no file of the user's has."""
+    handle, raw = tempfile.mkstemp(prefix=".", suffix=".pt2.part", dir=os.path.dirname(out) or ".")
+    os.close(handle)
     try:
+        torch.export.save(program, raw)
         with zipfile.ZipFile(raw) as source, zipfile.ZipFile(out, "w") as target:
             for entry in source.infolist():
                 packed = entry.filename.endswith(".json")
