@@ -9,7 +9,8 @@ groups and the trainer's components -> Trainer.fit() -> the record's last update
 
 `components` builds the trainer's components, `resume` what a resume changes beyond the
 checkpoint, `pieces` what is trained, `records` the runs table, `remote` a run in an object store,
-`replica_groups` where each replica group writes and what a healing group receives.
+`replica_groups` this launch's place among the replica groups (where it writes, where it
+starts, what a healing group receives).
 """
 
 from __future__ import annotations
@@ -56,13 +57,7 @@ from dtrain.run.components import (
 from dtrain.run.eval_tasks import EvalTasks, read_eval_tasks
 from dtrain.run.pieces import Pieces, build_pieces, layout_of
 from dtrain.run.remote import RemoteRun
-from dtrain.run.replica_groups import (
-    as_group,
-    build_replicas,
-    global_rank,
-    start_point,
-    this_group,
-)
+from dtrain.run.replica_groups import GroupLaunch
 from dtrain.run.resume import already_past, resume_or_start
 
 
@@ -140,9 +135,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("imports")
     env = env_mod.detect()
     cfg = resolve_run_name(cfg, env, config_path)
-    # parallel.replicas: this launch's group (None without); `lighthouse`: it started one
-    group, lighthouse = this_group(cfg)
-    cfg = as_group(cfg, group)
+    group = GroupLaunch.of(cfg)  # parallel.replicas: this launch's group (or the run alone)
+    cfg = group.config(cfg)
     layout = layout_of(cfg, env)
     check_trackers(cfg.log)  # a tracker without its library: exit 2 before any process group
     eval_tasks = read_eval_tasks(cfg)  # and task files that are not tasks, a missing tokenizer
@@ -150,8 +144,8 @@ def train(cfg: Config, config_path: str | None = None) -> str:
     clock.mark("process group")
     # The console from now on; the run directory's log files once the directory is this run's.
     setup_logging(dist.rank(), cfg.log.all_ranks)
-    if lighthouse:
-        log.info(lighthouse)
+    if group.lighthouse_line:
+        log.info(group.lighthouse_line)
     signals.install()
     lock = RunDirLock(cfg.run_dir, shown=cfg.run_url)  # a staging folder: named as its run
     remote = RemoteRun(cfg, dist.rank()) if cfg.run_url else None
@@ -172,9 +166,9 @@ def train(cfg: Config, config_path: str | None = None) -> str:
         claim_run_dir(cfg, lock, env, remote)
         attach_log_files(os.path.join(cfg.run_dir, names.log_file(dist.rank())))
         outcome = _train(cfg, layout, record, pieces, clock, remote, eval_tasks, group)
-        if outcome == "preempted" and dist.is_main() and _owns_its_job(group, env):
+        if outcome == "preempted" and dist.is_main() and group.requeues_its_job(env):
             # The checkpoint is complete (group 0's; another group keeps none): requeue.
-            slurm.after_preemption(cfg.slurm.requeue, env, saved=not group)
+            slurm.after_preemption(cfg.slurm.requeue, env, saved=group.keeps_the_run)
         # No rank leaves before rank 0 has published the last checkpoint and requeued: under
         # srun --kill-on-bad-exit, a node whose processes end first would take rank 0 down.
         dist.barrier()
@@ -197,13 +191,6 @@ def train(cfg: Config, config_path: str | None = None) -> str:
             remote.close(answering)
         lock.release()
         dist.shutdown()
-
-
-def _owns_its_job(group: int | None, env: env_mod.Env) -> bool:
-    """Whether this run requeues its SLURM job when preempted: a run of its own, or replica
-    group 0 (its job's other groups are job steps beside it), or any group that is a task of a
-    job array (each task requeues itself: it is a job of its own to SLURM)."""
-    return not group or slurm.job_label(env.slurm_job_id) != env.slurm_job_id
 
 
 def _interrupted(store: CheckpointStore | None) -> Interrupted:
@@ -232,10 +219,10 @@ def _train(
     clock: StartupClock,
     remote: RemoteRun | None,
     eval_tasks: EvalTasks | None,
-    group: int | None,
+    group: GroupLaunch,
 ) -> str:
     """Build the trainer's components, resume or start, and hand them to the loop (`group`:
-    this launch's replica group, None without replica groups)."""
+    this launch's place among the replica groups)."""
     run_dir = cfg.run_dir
     store = (  # the storage options also for a ckpt.resume in a store
         remote.store(run_dir)
@@ -244,11 +231,11 @@ def _train(
     )
     learner = build_learner(cfg, pieces)
     # Per-rank randomness from here on (dropout), by the rank's place among every group's ranks.
-    torch.manual_seed(cfg.run.seed + 1 + global_rank(group, layout))
+    torch.manual_seed(cfg.run.seed + 1 + group.global_rank(layout))
     state = TrainState()
     ema = EmaWeights.build(cfg.train.ema, learner.model)  # None unless train.ema.decay is set
     spec = pieces.spec
-    cfg = start_point(cfg, group)  # another group's: group 0's newest checkpoint
+    cfg = group.start_point(cfg)  # another group's: group 0's newest checkpoint
     checkpoints = build_checkpointer(cfg, layout, store, pieces, learner, spec, state, ema)
     resumed = resume_or_start(checkpoints, cfg, layout, pieces, spec, state, learner.schedule)
     if resumed and state.reached(cfg.train.epochs, cfg.train.max_steps):
@@ -278,7 +265,7 @@ def _train(
     callbacks = build_callbacks(
         layout, record, clock, resumed, learner, ema, profiler, spec, state, eval_tasks
     )
-    replicas = build_replicas(cfg, group, layout, checkpoints.contents, state.step)
+    replicas = group.replicas(cfg, layout, checkpoints.contents, state.step)
     trainer = build_trainer(
         cfg, layout, pieces, learner, state, ema, checkpoints, run_log, callbacks, replicas
     )

@@ -1,5 +1,7 @@
-"""A run launched as replica groups (parallel.replicas): where each group writes, and what a
-group that heals receives from a live peer.
+"""A run launched as replica groups (parallel.replicas): `GroupLaunch`, this launch's place
+among them, is all the assembly asks of the capability (where the group writes and starts, its
+ranks' numbering, whether it requeues its job, the groups its loop trains with); `heal_state`
+is what a group that heals receives from a live peer.
 
 Group 0 is the run as it would be without replica groups: its run directory, records, metrics
 and checkpoints. Every other group writes only its own logs, in `replicas/group_<g>` inside that
@@ -25,7 +27,8 @@ from dtrain.files.store import Store
 from dtrain.parallel import unwrap
 from dtrain.parallel.replica_links import quiet_torchft, reach_lighthouse
 from dtrain.parallel.replicas import Groups, HealState, OneGroup, Replicas, group_of, lighthouse_of
-from dtrain.process import compat, dist
+from dtrain.process import compat, dist, slurm
+from dtrain.process.env import Env
 from dtrain.process.layout import Layout
 
 FOLDER = "replicas"
@@ -34,48 +37,95 @@ SAMPLE_LOG = "replica_samples"
 LIGHTHOUSE_LOG = "lighthouse.log"  # beside the groups' folders: the one a launch started
 
 
-def this_group(cfg: Config) -> tuple[int | None, str | None]:
-    """This launch's replica group, or None for a run without replica groups; and the line
-    that says this launch started the lighthouse, if it did."""
-    section = cfg.parallel.replicas
-    if not section.groups:
-        return None, None
-    if cfg.run_url:
-        raise UserError(
-            "config error: parallel.replicas with run.out_dir in an object store is not "
-            "supported yet; use a shared disk for run.out_dir"
+@dataclasses.dataclass(frozen=True)
+class GroupLaunch:
+    """This launch's place among the run's replica groups: all the run's assembly asks of
+    parallel.replicas. `index` is None for a run without replica groups, which every method
+    answers as the plain run it is; `lighthouse_line` says that this launch started the
+    lighthouse, if it did (logged once the console is set up)."""
+
+    index: int | None = None
+    lighthouse_line: str | None = None
+
+    @classmethod
+    def of(cls, cfg: Config) -> GroupLaunch:
+        """This launch's group, once its lighthouse answers (the extra missing, no lighthouse
+        known or none answering: one line before anything starts)."""
+        section = cfg.parallel.replicas
+        if not section.groups:
+            return cls()
+        if cfg.run_url:
+            raise UserError(
+                "config error: parallel.replicas with run.out_dir in an object store is not "
+                "supported yet; use a shared disk for run.out_dir"
+            )
+        index = group_of(section, dict(os.environ))
+        quiet_torchft()
+        address = lighthouse_of(section, dict(os.environ))
+        log_path = os.path.join(cfg.run_dir, FOLDER, LIGHTHOUSE_LOG)
+        line = reach_lighthouse(address, section.timeout_s, section.start_lighthouse, log_path)
+        return cls(index, line)
+
+    @property
+    def keeps_the_run(self) -> bool:
+        """Whether this launch writes the run's checkpoints and records: a run without replica
+        groups, or group 0."""
+        return not self.index
+
+    def config(self, cfg: Config) -> Config:
+        """The config this group runs with: group 0's is the run's own; another group's run
+        directory is `replicas/group_<g>` inside the run's, and it saves no checkpoint (where
+        it starts from: `start_point`)."""
+        if self.keeps_the_run:
+            return cfg
+        run = dataclasses.replace(
+            cfg.run, out_dir=os.path.join(cfg.run_dir, FOLDER), name=f"group_{self.index}"
         )
-    group = group_of(section, dict(os.environ))
-    # The extra missing, no lighthouse known or none answering: one line before anything starts.
-    quiet_torchft()
-    address = lighthouse_of(section, dict(os.environ))
-    log_path = os.path.join(cfg.run_dir, FOLDER, LIGHTHOUSE_LOG)
-    started = reach_lighthouse(address, section.timeout_s, section.start_lighthouse, log_path)
-    return group, started
+        return dataclasses.replace(cfg, run=run, ckpt=dataclasses.replace(cfg.ckpt, resume="none"))
 
+    def start_point(self, cfg: Config) -> Config:
+        """Another group starts from group 0's newest checkpoint where there is one: close to
+        the live groups it then heals from, and at the run's end when the run has finished (it
+        then trains nothing). Its files are linked into this group's `start/` first (hard
+        links, or copies across file systems), as group 0 may delete that checkpoint
+        (ckpt.keep_last) while this group reads it; one rank chooses, for every rank of the
+        group."""
+        if self.keeps_the_run:
+            return cfg
+        source = os.path.dirname(cfg.run.out_dir)
+        path = dist.on_main(lambda: _linked_newest(source, cfg.run_dir))
+        return dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, resume=path or "none"))
 
-def as_group(cfg: Config, group: int | None) -> Config:
-    """The config a group runs with: group 0's is the run's own; another group's run directory
-    is `replicas/group_<g>` inside the run's, and it saves no checkpoint (where it starts from:
-    `start_point`)."""
-    if not group:
-        return cfg
-    run = dataclasses.replace(
-        cfg.run, out_dir=os.path.join(cfg.run_dir, FOLDER), name=f"group_{group}"
-    )
-    return dataclasses.replace(cfg, run=run, ckpt=dataclasses.replace(cfg.ckpt, resume="none"))
+    def global_rank(self, layout: Layout) -> int:
+        """This rank's place among the ranks of every group, as one DDP run over them would
+        number it (its random state for dropout follows it)."""
+        return (self.index or 0) * layout.world_size + dist.rank()
 
+    def requeues_its_job(self, env: Env) -> bool:
+        """Whether this launch requeues its SLURM job when preempted: a run of its own, or
+        group 0 (its job's other groups are job steps beside it), or any group that is a task
+        of a job array (each task requeues itself: it is a job of its own to SLURM)."""
+        return self.keeps_the_run or slurm.job_label(env.slurm_job_id) != env.slurm_job_id
 
-def start_point(cfg: Config, group: int | None) -> Config:
-    """Another group starts from group 0's newest checkpoint where there is one: close to the
-    live groups it then heals from, and at the run's end when the run has finished (it then
-    trains nothing). Its files are linked into this group's `start/` first (hard links, or
-    copies across file systems), as group 0 may delete that checkpoint (ckpt.keep_last) while
-    this group reads it; one rank chooses, for every rank of the group."""
-    if not group:
-        return cfg
-    path = dist.on_main(lambda: _linked_newest(os.path.dirname(cfg.run.out_dir), cfg.run_dir))
-    return dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, resume=path or "none"))
+    def replicas(self, cfg: Config, layout: Layout, contents: Contents, step: int) -> Groups:
+        """The replica groups as this group's loop sees them (OneGroup without them)."""
+        if self.index is None:
+            return OneGroup()
+        return Replicas(
+            cfg.parallel.replicas,
+            self.index,
+            dist.rank(),
+            layout.world_size,
+            unwrap(contents.model),  # (its names as a checkpoint's, whether wrapped by DDP or not)
+            heal_state(contents),
+            step,
+            layout.batch_size * layout.grad_accum,
+            sample_log=(
+                os.path.join(cfg.run_dir, f"{SAMPLE_LOG}.rank{dist.rank()}.jsonl")
+                if cfg.parallel.replicas.sample_log
+                else None
+            ),
+        )
 
 
 def _linked_newest(source: str, run_dir: str, tries: int = 5) -> str | None:
@@ -107,35 +157,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         if e.errno != errno.EXDEV:
             raise
         shutil.copy2(src, dst)
-
-
-def build_replicas(
-    cfg: Config, group: int | None, layout: Layout, contents: Contents, step: int
-) -> Groups:
-    """The replica groups as this group's loop sees them (OneGroup without them)."""
-    if group is None:
-        return OneGroup()
-    return Replicas(
-        cfg.parallel.replicas,
-        group,
-        dist.rank(),
-        layout.world_size,
-        unwrap(contents.model),  # (its names as a checkpoint's, whether wrapped by DDP or not)
-        heal_state(contents),
-        step,
-        layout.batch_size * layout.grad_accum,
-        sample_log=(
-            os.path.join(cfg.run_dir, f"{SAMPLE_LOG}.rank{dist.rank()}.jsonl")
-            if cfg.parallel.replicas.sample_log
-            else None
-        ),
-    )
-
-
-def global_rank(group: int | None, layout: Layout) -> int:
-    """This rank's place among the ranks of every group, as one DDP run over them would number
-    it (its random state for dropout follows it)."""
-    return (group or 0) * layout.world_size + dist.rank()
 
 
 def heal_state(contents: Contents) -> HealState:
