@@ -59,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     gpt = launch(root / "runs" / "gpt", [
         *LM, "model.name=gpt", "model.args={dim: 32, depth: 2, heads: 2}",
         f"data.root={root / 'plain'}", "data.batch_size=8", "train.max_steps=30",
-        "optim.lr=0.01", "ckpt.format=sharded"])
+        "optim.lr=0.01", "ckpt.format=sharded", "train.ema.decay=0.9"])
     assert gpt.returncode == 0, gpt.stderr[-3000:]
     hf = launch(root / "runs" / "hf", [
         *LM, f"model.name=hf:{model}", f"data.root={root / 'chat'}", "data.batch_size=4",
@@ -133,6 +133,30 @@ def test_the_same_seed_gives_the_same_text_and_another_seed_another(runs) -> Non
 
     first = sampled(1)
     assert first.startswith("The") and sampled(1) == first and sampled(2) != first
+
+
+def test_the_moving_average_speaks_with_its_own_weights(runs) -> None:
+    """--weights ema: the checkpoint's moving average (train.ema) decodes, token for token what
+    the average's weights give by hand (sampled with one seed: the tiny model's greedy text is
+    one token again and again, whichever weights), where the trained weights give other tokens;
+    a run without an average is one line, exit 2."""
+    prompt = "The import statement"
+    cpu, sampling = torch.device("cpu"), Sampling(30, 2.0, None, None, 1)
+    shown = {weights: records(generate(runs["gpt"], "--weights", weights, "--prompt", prompt,
+                                       "--max-new-tokens", "30", "--temperature", "2",
+                                       "--seed", "1", "--format", "jsonl"))[0]
+             for weights in ("model", "ema")}
+    ids = shown["ema"]["prompt_ids"]
+    by_hand = {weights: gpt_generate(load_model(str(latest(runs["gpt"])), weights)[0], ids,
+                                     sampling, frozenset(), cpu).ids for weights in ("model", "ema")}
+    assert by_hand["ema"] != by_hand["model"]  # (else the test could not tell them apart)
+    for weights in ("model", "ema"):
+        assert shown[weights]["ids"][:len(by_hand[weights])] == by_hand[weights], weights
+    refused = generate(runs["hf"], "--weights", "ema", "--prompt", "x")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"dtrain: generate error: {latest(runs['hf'])} was saved without EMA weights "
+        f"(train.ema.decay unset); use --weights model"], refused.stderr
 
 
 @pytest.mark.slow

@@ -129,6 +129,7 @@ def _generate(p: argparse.ArgumentParser) -> None:
         metavar="latest|best|PATH",
         help="the last saved (default), the best by ckpt.monitor, or a checkpoint folder",
     )
+    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
     prompts.add_argument("--prompts", metavar="FILE", help="a UTF-8 file of prompts, one per line")

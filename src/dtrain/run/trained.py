@@ -304,15 +304,20 @@ def check_ema(chosen: Chosen, command: str) -> None:
 
 
 def trained_model(
-    cfg: Config, layout: Layout, chosen: Chosen, command: str
+    cfg: Config, layout: Layout, chosen: Chosen, command: str, weights: str = "model"
 ) -> tuple[nn.Module, Precision]:
     """The run's model as the run's strategy builds it at this world size, from the data's
     vocabulary and window as the checkpoint recorded them (no data is read), with the
-    checkpoint's weights; in eval mode."""
+    checkpoint's weights (`weights` "ema": their moving average, train.ema, over the
+    parameters it averages); in eval mode."""
     precision = Precision.for_run(cfg.train.precision, cfg.train.loss_scale_init, layout)
     strategy = parallel.strategy(cfg.parallel, layout)
     model, _, _ = strategy.build(cfg.model, saved_info(chosen), cfg.run.seed, precision)
     load_weights(model, chosen, cfg, command)
+    if weights == "ema":
+        from dtrain.loop import ema  # only `--weights ema` needs it
+
+        ema.load_ema_into(model, chosen.folder)
     return model.eval(), precision
 
 

@@ -39,11 +39,7 @@ def scored(
 ) -> dict[str, float]:
     """The checkpoint's model (its EMA weights with `weights` ema) on every task, on every rank."""
     tokenizer = run_tokenizer(cfg.data, cfg.model, "eval")
-    model, precision = trained_model(cfg, layout, chosen, "eval")
-    if weights == "ema":
-        from dtrain.loop import ema
-
-        ema.load_ema_into(model, chosen.folder)
+    model, precision = trained_model(cfg, layout, chosen, "eval", weights)
     log.info(
         f"scoring {chosen.shown} (step {chosen.step}, {chosen.fmt}; {weights} weights) on "
         f"{len(tasks.names)} task(s) ({', '.join(tasks.names)}) with {tokenizer.where}, at "

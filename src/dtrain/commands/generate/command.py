@@ -1,6 +1,6 @@
 """`dtrain generate`: what a trained run's model says to a prompt.
 
-    dtrain generate --run-dir DIR [--checkpoint latest|best|PATH]
+    dtrain generate --run-dir DIR [--checkpoint latest|best|PATH] [--weights model|ema]
                     (--prompt TEXT | --prompts FILE | --interactive)
                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                     [--format text|jsonl] [--config X] [section.key=value ...]
@@ -49,6 +49,7 @@ from dtrain.process import dist
 from dtrain.process import env as env_mod
 from dtrain.process.layout import Layout
 from dtrain.run.trained import (
+    check_ema,
     choose,
     fetched,
     layout_here,
@@ -107,12 +108,15 @@ def main(args: argparse.Namespace) -> int:
             chosen = fetched(
                 chosen, os.path.join(copies, "checkpoint"), dict(cfg.run.storage_options)
             )
-            model, precision = trained_model(cfg, layout, chosen, COMMAND)
+            if args.weights == "ema":
+                dist.on_main(lambda: check_ema(chosen, COMMAND))
+            model, precision = trained_model(cfg, layout, chosen, COMMAND, args.weights)
             replier = Replier(model, tokenizer, sampling, layout, precision)
             # Every prompt is checked before any is answered.
             encoded = [replier.encoded(p) for p in prompts] if prompts is not None else []
             log.info(
-                f"generating from {chosen.shown} (step {chosen.step}, {chosen.fmt}) with "
+                f"generating from {chosen.shown} (step {chosen.step}, {chosen.fmt}; "
+                f"{args.weights} weights) with "
                 f"{tokenizer.where}{' (chat template)' if tokenizer.chat else ''}, window "
                 f"{replier.window} tokens, at world size {dist.world_size()}, mode "
                 f"{layout.shown_mode(cfg.parallel.mode)}"
