@@ -61,12 +61,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         f"data.root={root / 'plain'}", "data.batch_size=8", "train.max_steps=30",
         "optim.lr=0.01", "ckpt.format=sharded", "train.ema.decay=0.9"])
     assert gpt.returncode == 0, gpt.stderr[-3000:]
+    byte_level = launch(root / "runs" / "bytes", [
+        *LM, "data.name=text", "data.text.corpus=python_docs", "model.name=gpt",
+        "model.args={dim: 32, depth: 2, heads: 2, seq_len: 64}",
+        "data.batch_size=8", "train.max_steps=20", "optim.lr=0.01"])
+    assert byte_level.returncode == 0, byte_level.stderr[-3000:]
     hf = launch(root / "runs" / "hf", [
         *LM, f"model.name=hf:{model}", f"data.root={root / 'chat'}", "data.batch_size=4",
         "train.epochs=20", "train.max_steps=60", "optim.lr=0.01", "ckpt.format=full"])
     assert hf.returncode == 0, hf.stderr[-3000:]
     return {"root": root, "model": model, "plain": root / "plain", "chat": root / "chat",
-            "gpt": gpt.run_dir, "hf": hf.run_dir}
+            "gpt": gpt.run_dir, "hf": hf.run_dir, "bytes": byte_level.run_dir}
 
 
 def generate(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -133,6 +138,23 @@ def test_the_same_seed_gives_the_same_text_and_another_seed_another(runs) -> Non
 
     first = sampled(1)
     assert first.startswith("The") and sampled(1) == first and sampled(2) != first
+
+
+def test_a_byte_level_run_speaks_in_bytes(runs) -> None:
+    """data.name text, no tokenizer file: a text's UTF-8 bytes are the tokens; the model's
+    greedy bytes, decoded (a character cut short shown as U+FFFD), follow the prompt."""
+    prompt = "The caf\u00e9 is"
+    shown = records(generate(runs["bytes"], "--prompt", prompt, "--max-new-tokens", "20",
+                             "--format", "jsonl"))[0]
+    assert shown["prompt_ids"] == list(prompt.encode("utf-8"))
+    model, _ = load_model(str(latest(runs["bytes"])))
+    greedy = gpt_generate(model, shown["prompt_ids"], Sampling(20, 0.0, None, None, 0),
+                          frozenset(), torch.device("cpu"), vocab=256)
+    assert (shown["ids"], shown["stop"]) == (greedy.ids, "length")
+    assert shown["text"] == bytes(greedy.ids).decode("utf-8", errors="replace")
+    text = generate(runs["bytes"], "--prompt", prompt, "--max-new-tokens", "20")
+    assert text.returncode == 0 and text.stdout == prompt + shown["text"] + "\n", text.stderr
+    assert "with the run's bytes (data.name text" in text.stderr
 
 
 def test_the_moving_average_speaks_with_its_own_weights(runs) -> None:

@@ -125,6 +125,15 @@ def test_the_adapter_scores_what_lm_evals_hf_model_scores_on_the_exported_folder
                          timeout=300), run["run"])
     assert set(ours) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match"}
     assert ours == lm_eval_on_the_exported_folder(run, tmp_path)
+    # From a folder outside any git repository: the same scores, and no line of git's (the
+    # harness's own record of the machine, which would run `git describe` there, is not made).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    there = subprocess.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run["run"]),
+                            "--tasks", str(run["tasks"])], cwd=elsewhere, env=child_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert scores(there, run["run"]) == ours
+    assert "git" not in there.stderr, there.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -168,15 +168,21 @@ def evaluate_tasks(
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # (its own progress lines, per task and per request kind)
     try:
-        results = lm_eval.simple_evaluate(
-            model=adapter,
-            tasks=[dict(c) for c in tasks.configs],
-            task_manager=TaskManager(include_defaults=False),
+        # The harness's `evaluate` on the tasks as its `simple_evaluate` prepares them: not that
+        # function itself, which ends by recording the machine (`git describe` in the working
+        # folder, which prints git's "fatal: not a git repository" outside one, and torch's
+        # environment report, subprocesses each time), none of which a score needs.
+        loaded = TaskManager(include_defaults=False).load([dict(c) for c in tasks.configs])
+        for task in loaded["tasks"].values():
+            if task.get_config("num_fewshot") is None:
+                task.set_config(key="num_fewshot", value=0)
+            task.set_fewshot_seed(seed=None)
+        results = lm_eval.evaluate(
+            lm=adapter,
+            task_dict=loaded,
             bootstrap_iters=0,
             log_samples=False,
-            random_seed=None,
-            numpy_random_seed=None,
-            torch_random_seed=None,
+            fewshot_as_multiturn=True,
         )
     finally:
         quiet.setLevel(level)

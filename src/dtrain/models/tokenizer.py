@@ -62,8 +62,9 @@ def token_folder(data: DataConfig) -> str | None:
 
 
 def run_tokenizer(data: DataConfig, model: ModelConfig, command: str) -> RunTokenizer:
-    """An `hf:` model's own tokenizer where its folder has one, else the token folder's; one
-    line where the run has neither (a run on images, on bytes, on a dataset of its own)."""
+    """An `hf:` model's own tokenizer where its folder has one, else the token folder's, else a
+    byte-level run's bytes (data.name text); one line where the run has none of them (a run on
+    images, on a dataset of its own)."""
     folder = token_folder(data)
     meta = _folder_meta(folder, command) if folder else {}
     if model.name.startswith(hf.PREFIXES):
@@ -72,6 +73,8 @@ def run_tokenizer(data: DataConfig, model: ModelConfig, command: str) -> RunToke
             return _model_tokenizer(own, meta, model.trust_remote_code, command)
     if folder and os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
         return _folder_tokenizer(folder, meta, command)
+    if data.name == "text":
+        return _byte_tokenizer()
     raise UserError(
         f"{command} error: the run has no tokenizer: its model ({model.name}) has no folder with "
         f"one and its data (data.name {data.name}) is not a token folder with a "
@@ -125,6 +128,25 @@ def _folder_tokenizer(folder: str, meta: dict[str, Any], command: str) -> RunTok
         path,
         encode_text,
     )
+
+
+# The byte-level data (`data.name: text`) trains on a text's UTF-8 bytes: 256 tokens.
+BYTES = 256
+
+
+def _byte_tokenizer() -> RunTokenizer:
+    """A byte-level run's: a text's UTF-8 bytes are its tokens. There is no end-of-text token: a
+    continuation ends at --max-new-tokens or the window; bytes that end inside a character are
+    shown as U+FFFD."""
+
+    def encode_text(text: str, special_tokens: bool | None = None) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    where = "the run's bytes (data.name text: a text's UTF-8 bytes are its tokens)"
+    return RunTokenizer(encode_text, decode, frozenset(), False, BYTES, where, encode_text)
 
 
 def _model_tokenizer(
