@@ -178,20 +178,28 @@ def evaluations(run_dir: Path) -> list[dict]:
 
 def test_a_run_scores_its_tasks_at_each_evaluation_and_keeps_the_best_by_one(run, tmp_path):
     """train.eval_tasks: each evaluation's record holds the task metrics that `dtrain eval
-    --tasks` gives on the checkpoint of its step, exactly; ckpt.monitor on a task metric picks
-    `best`; a resume that changes the tasks (no training key) still scores them."""
+    --tasks` gives on the checkpoint of its step, exactly, and (train.ema) those of the averaged
+    weights that `--weights ema` gives; ckpt.monitor on a task metric picks `best`; a resume
+    that changes the tasks (no training key) still scores them."""
     model = run["root"] / "model"
     scored = launch(tmp_path / "runs" / "scored", [
         *LM, f"model.name=hf:{model}", f"data.root={run['root'] / 'plain'}", "data.batch_size=4",
         "train.max_steps=20", "optim.lr=0.01", "ckpt.format=full", "train.eval_every_steps=5",
         "ckpt.every_steps=5", "ckpt.keep_last=4", f"train.eval_tasks=[{run['tasks']}]",
-        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max"], timeout=600)
+        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max", "train.ema.decay=0.5"],
+        timeout=600)
     assert scored.returncode == 0, scored.stderr[-3000:]
     records = evaluations(scored.run_dir)
     assert [r["step"] for r in records] == [5, 10, 15, 20]
-    tasks = [{k: v for k, v in r.items() if k.startswith("task_")} for r in records]
-    assert all(set(t) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm",
-                          "task_tiny_gen_exact_match"} for t in tasks)
+    names = {"task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match"}
+    tasks = [{k: v for k, v in r.items() if k in names} for r in records]
+    averaged = [{k: v for k, v in r.items() if k.startswith("task_") and k.endswith("_ema")}
+                for r in records]
+    assert all(set(t) == names for t in tasks)
+    assert all(set(a) == {f"{name}_ema" for name in names} for a in averaged)
+    again = dtrain("eval", "--run-dir", str(scored.run_dir), "--weights", "ema", "--tasks",
+                   str(run["tasks"]), timeout=300)
+    assert scores(again, scored.run_dir) == averaged[-1]
     best = max(records, key=lambda r: (r["task_tiny_mc_acc"], -r["step"]))  # first of equals
     for pick, expected in (("latest", tasks[-1]), ("best", tasks[records.index(best)])):
         again = dtrain("eval", "--run-dir", str(scored.run_dir), "--checkpoint", pick,
@@ -208,7 +216,8 @@ def test_a_run_scores_its_tasks_at_each_evaluation_and_keeps_the_best_by_one(run
         *LM, f"model.name=hf:{model}", f"data.root={run['root'] / 'plain'}", "data.batch_size=4",
         "train.max_steps=25", "optim.lr=0.01", "ckpt.format=full", "train.eval_every_steps=5",
         "ckpt.every_steps=5", "ckpt.keep_last=4", f"train.eval_tasks=[{run['tasks'] / 'mc.yaml'}]",
-        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max"], timeout=600)
+        "ckpt.monitor=task_tiny_mc_acc", "ckpt.monitor_mode=max", "train.ema.decay=0.5"],
+        timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = evaluations(scored.run_dir)[-1]
     assert last["step"] == 25 and "task_tiny_mc_acc" in last and "task_tiny_gen_exact_match" not in last

@@ -76,8 +76,10 @@ class Callbacks:
       what they return joins the next logged record.
     - `step_end`: after every optimizer step (the profiler's schedule).
     - `evaluation_metrics`: at every evaluation, after the validation metrics, on every rank
-      together; what they return joins that evaluation's metrics before anything reads them
-      (`ckpt.monitor`, early stopping, the record): the tasks of train.eval_tasks.
+      together, with the weights the model holds (and again, suffixed `_ema`, with the
+      averaged weights where train.ema evaluates them); what they return joins that
+      evaluation's metrics before anything reads them (`ckpt.monitor`, early stopping, the
+      record): the tasks of train.eval_tasks.
     - `evaluated(state, metrics)`: after every evaluation, with its metrics.
     - `saved(state)`: after every checkpoint (the run record).
     - `before_stop_save(last_save_s)`: before the checkpoint of a stop signal, with how long the

@@ -379,17 +379,23 @@ class Trainer:
             self.learner.precision.autocast,
         )
 
+    def _metrics(self) -> dict[str, float]:
+        """The validation metrics of the weights the model holds, and those of the evaluation
+        callbacks (the tasks of train.eval_tasks), which score the same weights."""
+        metrics = self.evaluate()
+        for more in self.callbacks.evaluation_metrics:
+            metrics.update(more())
+        return metrics
+
     def _evaluate(self, scheduled: bool = True) -> None:
         """Evaluate and record; early stopping counts the `scheduled` evaluations, once per step
         (an epoch's end may evaluate again the step that eval_every_steps just evaluated)."""
         assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
         with self.observers.where.doing("evaluation"):
-            metrics = self.evaluate()
+            metrics = self._metrics()
             if self.ema is not None and self.ema.evaluates:
                 with self.ema.swapped():
-                    metrics.update({k + SUFFIX: v for k, v in self.evaluate().items()})
-            for more in self.callbacks.evaluation_metrics:
-                metrics.update(more())
+                    metrics.update({k + SUFFIX: v for k, v in self._metrics().items()})
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}

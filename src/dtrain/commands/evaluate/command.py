@@ -192,10 +192,7 @@ def _evaluate_run(args: argparse.Namespace, run_dir: str, overrides: list[str], 
         )
         with profile.running() if profile else contextlib.nullcontext():
             metrics = evaluate(cfg, layout, pieces, profile)
-        if args.weights == "ema":  # the names the run's own evaluations of the average have
-            from dtrain.loop.ema import SUFFIX
-
-            metrics = {k + SUFFIX: v for k, v in metrics.items()}
+        metrics = _named_for(args.weights, metrics)
         if dist.is_main():
             result = {
                 **metrics,
@@ -240,6 +237,16 @@ def _load(pieces: EvalPieces, chosen: Chosen, cfg: Config, weights: str) -> None
         ema.load_ema_into(pieces.model, chosen.folder)
 
 
+def _named_for(weights: str, metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics as the run's own evaluations name them: those of the moving average (`weights`
+    ema) with the suffix `_ema` (`val_loss_ema`, `task_<name>_<metric>_ema`)."""
+    if weights != "ema":
+        return metrics
+    from dtrain.loop.ema import SUFFIX
+
+    return {k + SUFFIX: v for k, v in metrics.items()}
+
+
 def _score_tasks(
     args: argparse.Namespace,
     cfg: Config,
@@ -250,7 +257,8 @@ def _score_tasks(
 ) -> int:
     """--tasks: the checkpoint scored on the tasks; the result kept as any evaluation's.
     `where`: the run directory, the folder that holds its records here, the store's options."""
-    metrics = task_eval.scored(cfg, layout, chosen, args.task_set, args.weights)
+    scored = task_eval.scored(cfg, layout, chosen, args.task_set, args.weights)
+    metrics = _named_for(args.weights, scored)
     if dist.is_main():
         result = task_eval.result_of(args, chosen, metrics, overrides)
         path = _keep_result(*where[:2], chosen, result, where[2], metrics, None)
