@@ -366,10 +366,10 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """The task's metrics over the whole validation set as `val_<name>` (`evaluation`)."""
+        """Validation metrics (`val_<name>`) of the weights the model holds, then callbacks'."""
         self.learner.consistent_buffers()
         loaders = self.feed.loaders
-        return evaluation.evaluate(
+        metrics = evaluation.evaluate(
             self.model,
             self.task,
             loaders.val,
@@ -378,11 +378,6 @@ class Trainer:
             self._to_device,
             self.learner.precision.autocast,
         )
-
-    def _metrics(self) -> dict[str, float]:
-        """The validation metrics of the weights the model holds, and those of the evaluation
-        callbacks (the tasks of train.eval_tasks), which score the same weights."""
-        metrics = self.evaluate()
         for more in self.callbacks.evaluation_metrics:
             metrics.update(more())
         return metrics
@@ -392,10 +387,10 @@ class Trainer:
         (an epoch's end may evaluate again the step that eval_every_steps just evaluated)."""
         assert not self.pending.steps, "an evaluation follows an agreement of the ranks"
         with self.observers.where.doing("evaluation"):
-            metrics = self._metrics()
+            metrics = self.evaluate()
             if self.ema is not None and self.ema.evaluates:
                 with self.ema.swapped():
-                    metrics.update({k + SUFFIX: v for k, v in self._metrics().items()})
+                    metrics.update({k + SUFFIX: v for k, v in self.evaluate().items()})
         state = self.state
         again = state.last_eval.get("step") == state.step
         state.last_eval = {"step": state.step, **metrics}
