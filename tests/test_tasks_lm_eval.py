@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -72,7 +73,9 @@ from lm_eval.tasks import TaskManager
 out = lm_eval.simple_evaluate(model="hf", model_args="pretrained=" + sys.argv[1] + ",dtype=float32",
                               tasks=["tiny_mc", "tiny_gen"], device="cpu", batch_size=1,
                               task_manager=TaskManager(include_path=".", include_defaults=False),
-                              bootstrap_iters=0, log_samples=False)
+                              bootstrap_iters=0, log_samples=True)
+said = {s["doc"]["prompt"]: s["filtered_resps"][0] for s in out["samples"].get("tiny_gen", [])}
+print(json.dumps(said))
 print(json.dumps(out["results"]))
 """
 
@@ -108,29 +111,44 @@ def scores(result: subprocess.CompletedProcess, run_dir: Path) -> dict[str, floa
     return {k: v for k, v in json.loads(saved.read_text()).items() if k.startswith("task_")}
 
 
-def lm_eval_on_the_exported_folder(run, tmp_path) -> dict[str, float]:
-    out = tmp_path / "exported"
-    exported = dtrain("export", "--run-dir", str(run["run"]), "--format", "hf", "--out", str(out))
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-c", REFERENCE, str(out)], cwd=run["tasks"],
+def lm_eval_on_the_exported_folder(run, tasks: Path, out: Path) -> tuple[dict, dict[str, str]]:
+    """lm-eval's own scores of the run's model, exported to `out` (once), on the tasks in
+    `tasks`; and its continuations of the generation task's prompts, by prompt."""
+    if not out.exists():
+        exported = dtrain("export", "--run-dir", str(run["run"]), "--format", "hf", "--out",
+                          str(out))
+        assert exported.returncode == 0, exported.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(out)], cwd=tasks,
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    said, results = map(json.loads, done.stdout.strip().splitlines()[-2:])
     return {f"task_{task}_{key.split(',')[0]}": float(v) for task, row in results.items()
-            for key, v in row.items() if key.endswith(",none") and "_stderr" not in key}
+            for key, v in row.items() if key.endswith(",none") and "_stderr" not in key}, said
 
 
 def test_the_adapter_scores_what_lm_evals_hf_model_scores_on_the_exported_folder(run, tmp_path):
-    ours = scores(dtrain("eval", "--run-dir", str(run["run"]), "--tasks", str(run["tasks"]),
+    """Every metric as lm-eval's own; the generation task's answers are, for every other
+    prompt, the continuation lm-eval's model gives it, so that its exact match is 0.5 only
+    where dtrain's model continues each prompt as lm-eval's does."""
+    out = tmp_path / "exported"
+    _, said = lm_eval_on_the_exported_folder(run, run["tasks"], out)
+    tasks = tmp_path / "tasks"
+    shutil.copytree(run["tasks"], tasks)
+    prompts = [json.loads(line)["prompt"] for line in (tasks / "gen.jsonl").read_text().splitlines()]
+    write_jsonl(tasks / "gen.jsonl", [
+        {"prompt": prompt, "answer": said[prompt] if i % 2 == 0 else "\u2603"}
+        for i, prompt in enumerate(prompts)])
+    ours = scores(dtrain("eval", "--run-dir", str(run["run"]), "--tasks", str(tasks),
                          timeout=300), run["run"])
     assert set(ours) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match"}
-    assert ours == lm_eval_on_the_exported_folder(run, tmp_path)
+    theirs, _ = lm_eval_on_the_exported_folder(run, tasks, out)
+    assert ours == theirs and theirs["task_tiny_gen_exact_match"] == 0.5
     # From a folder outside any git repository: the same scores, and no line of git's (the
     # harness's own record of the machine, which would run `git describe` there, is not made).
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     there = subprocess.run([sys.executable, "-m", "dtrain", "eval", "--run-dir", str(run["run"]),
-                            "--tasks", str(run["tasks"])], cwd=elsewhere, env=child_env(),
+                            "--tasks", str(tasks)], cwd=elsewhere, env=child_env(),
                            capture_output=True, text=True, timeout=300)
     assert scores(there, run["run"]) == ours
     assert "git" not in there.stderr, there.stderr[-2000:]
