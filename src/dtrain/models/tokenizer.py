@@ -18,6 +18,7 @@ from dtrain.config import DataConfig, ModelConfig
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
 from dtrain.core.urls import is_url
+from dtrain.data.text import VOCAB_SIZE as BYTES  # (the byte-level data's 256 tokens)
 from dtrain.files import names
 from dtrain.models import hf
 
@@ -128,10 +129,6 @@ def _folder_tokenizer(folder: str, meta: dict[str, Any], command: str) -> RunTok
         path,
         encode_text,
     )
-
-
-# The byte-level data (`data.name: text`) trains on a text's UTF-8 bytes: 256 tokens.
-BYTES = 256
 
 
 def _byte_tokenizer() -> RunTokenizer:

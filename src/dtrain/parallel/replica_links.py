@@ -165,12 +165,10 @@ def advertised_host(lighthouse: str) -> str:
     """The address the other groups reach this host at: the one of the interface that routes to
     the lighthouse (which every group reaches), not the host's name, which hosts in containers
     or network namespaces may share."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(lighthouse)
-    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
+    host, port = _host_port(lighthouse)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((parts.hostname or "", parts.port or 80))  # (a route, no packet sent)
+        probe.connect((host, port))  # (a route, no packet sent)
         return str(probe.getsockname()[0])
 
 
