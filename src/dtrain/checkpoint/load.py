@@ -21,7 +21,12 @@ from dtrain.core.logs import log
 from dtrain.files.digests import MARKER, marker_damaged, read_marker, verify_files
 from dtrain.files.objstore import TIMEOUT_S, is_url
 from dtrain.files.remote_store import fetch_checkpoint
-from dtrain.files.resume_policy import is_length_change, training_differences
+from dtrain.files.resume_policy import (
+    BATCH_KEYS,
+    effective_batch_kept,
+    is_length_change,
+    training_differences,
+)
 from dtrain.models.spec import ModelSpec
 from dtrain.parallel import unwrap
 from dtrain.process import dist, rng
@@ -66,13 +71,17 @@ def check_config(
     ckpt: CkptConfig,
     folder: str,
     misfit: str | None = None,
+    worlds: tuple[int, int] = (1, 1),
 ) -> list[str]:
     """The training keys `config` changed since the checkpoint's `saved` config (all of them,
     length changes included); ConfigChanged unless only the run's length changed or the user
     allows changes (ckpt.resume_config_change=allow). `misfit` says why the checkpoint's
     weights do not fit this run's model (`state.shape_mismatch`): ModelMismatch, naming the
-    changed keys, allowed or not."""
+    changed keys, allowed or not. `worlds`: the checkpoint's world size and this run's; a batch
+    that changed with the layout, keeping the effective batch, is no change."""
     every = training_differences(saved, config)
+    if effective_batch_kept(saved, worlds[0], config, worlds[1]):
+        every = [c for c in every if not c.startswith(tuple(f"{k}:" for k in BATCH_KEYS))]
     # A longer or shorter run trains the same thing: the run applies it (and says what the
     # schedule does, ckpt.on_length_change); only the other changes need `allow`.
     changes = [c for c in every if not is_length_change(c)]
@@ -285,7 +294,9 @@ def load_run(
         folder, fmt, meta, misfit = dist.on_main(read)
         folder = local if shown else folder
         named = shown or folder
-        changes = check_config(meta.get("config", {}), contents.config, ckpt, named, misfit)
+        worlds = (meta["world_size"], dist.world_size())
+        saved_config = meta.get("config", {})
+        changes = check_config(saved_config, contents.config, ckpt, named, misfit, worlds)
         check_base(meta["model_info"], contents.model_info, named)
         # The sharded parts are read with the rest and taken only after it was applied.
         staged = {}

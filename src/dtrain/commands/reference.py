@@ -23,7 +23,7 @@ import yaml
 
 from dtrain.config import Config, registry
 from dtrain.config import schema as config_schema
-from dtrain.files.resume_policy import NOT_TRAINING
+from dtrain.files.resume_policy import BATCH_KEYS, NOT_TRAINING
 
 COMMAND = "python -m dtrain.commands.reference"
 DEFAULT_PATH = Path("docs") / "configuration.md"
@@ -121,7 +121,9 @@ def reference() -> str:
         "",
         "Resuming with a config that trains something else exits 2 with the changed keys, "
         "unless `ckpt.resume_config_change: allow`. These keys do not change what a run trains "
-        f"and may differ freely: {resumable}.",
+        f"and may differ freely: {resumable}. A resume onto another layout may also change "
+        f"{' and '.join(f'`{k}`' for k in BATCH_KEYS)} where the effective batch (per-rank "
+        "batch x ranks reading batches of their own x accumulation) stays what it was.",
         "",
     ]
     return "\n".join(lines)

@@ -19,7 +19,13 @@ from dtrain.config.checks import cross_checks
 from dtrain.config.data import DataConfig, SyntheticConfig, TextConfig
 from dtrain.config.log import LogConfig, ProfileConfig
 from dtrain.config.model import LoraConfig, ModelConfig
-from dtrain.config.parallel import DDPConfig, FSDPConfig, ParallelConfig, ReplicasConfig
+from dtrain.config.parallel import (
+    DDPConfig,
+    FSDPConfig,
+    ParallelConfig,
+    ReplicasConfig,
+    TensorParallelConfig,
+)
 from dtrain.config.plain_yaml import DuplicateKey
 from dtrain.config.plain_yaml import load as load_yaml
 from dtrain.config.schema import (
@@ -56,6 +62,7 @@ __all__ = [
     "EarlyStopConfig",
     "EmaConfig",
     "FSDPConfig",
+    "TensorParallelConfig",
     "LogConfig",
     "LoraConfig",
     "ModelConfig",

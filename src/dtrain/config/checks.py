@@ -38,6 +38,7 @@ def cross_checks(cfg: Config) -> None:
     _check_model(cfg.model)
     _check_qat(cfg.train.qat)
     _check_replicas(cfg.parallel)
+    _check_tensor_parallel(cfg)
     wrap = cfg.parallel.fsdp.wrap
     if isinstance(wrap, str) and wrap != "auto":
         raise UserError(
@@ -170,6 +171,25 @@ def _check_replicas(parallel: ParallelConfig) -> None:
             f"config error: parallel.replicas.min_groups={replicas.min_groups} is more than "
             f"the {replicas.groups} groups of parallel.replicas.groups"
         )
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """What tensor parallelism does not compose with yet: one line each, before any launch."""
+    if cfg.parallel.tp.size == 1:
+        return
+    refused = {
+        "model.lora": cfg.model.lora.r is not None,
+        "train.qat": cfg.train.qat.scheme is not None,
+        "parallel.replicas": cfg.parallel.replicas.groups > 0,
+        "model.compile": cfg.model.compile,
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+    }
+    for key, on in refused.items():
+        if on:
+            raise UserError(
+                f"config error: parallel.tp.size={cfg.parallel.tp.size} with {key}: the two do "
+                f"not compose in dtrain; drop {key} or set parallel.tp.size=1"
+            )
 
 
 def _check_monitor(cfg: Config) -> None:

@@ -1,5 +1,5 @@
 """The `parallel` section of the config: how the model is spread over the ranks (DDP, FSDP and
-their options) and over replica groups (torchft)."""
+their options, tensor parallelism inside them) and over replica groups (torchft)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,25 @@ class FSDPConfig:
     )
     cpu_offload: bool = option(
         False, doc="parameters, gradients and optimizer state in host memory (CUDA only)"
+    )
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """Tensor parallelism: each block's weights split over `size` ranks, the data dimensions
+    (DDP or FSDP) over the rest: see [Parallelism](parallelism.md)."""
+
+    size: int = option(
+        1,
+        check=AT_LEAST_ONE,
+        doc="ranks a block's weights are split over (1: off); it divides the world size, and "
+        "the model's heads, hidden size and (for gpt) vocabulary",
+    )
+    plan: str = option(
+        "auto",
+        doc="`auto`: the built-in gpt's own plan, or a Hugging Face model's `base_model_tp_plan`; "
+        "else an import path `module:function` called as function(model, mesh) that "
+        "parallelizes the model in place",
     )
 
 
@@ -111,4 +130,5 @@ class ParallelConfig:
     )
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     replicas: ReplicasConfig = field(default_factory=ReplicasConfig)

@@ -237,8 +237,8 @@ def epoch_steps(layout: Layout, train: TrainConfig, data: DataConfig, train_size
     sampler gives each rank its share, the loader cuts it into batches, and
     `train.grad_accum` batches make a step (train.overfit_batches: a fixed prefix)."""
     if train.overfit_batches:
-        train_size = min(train_size, train.overfit_batches * layout.batch_size * layout.world_size)
-    per_rank = len(ResumableSampler(train_size, 0, layout.world_size, 0, False, data.drop_last))
+        train_size = min(train_size, train.overfit_batches * layout.batch_size * layout.data_ranks)
+    per_rank = len(ResumableSampler(train_size, 0, layout.data_ranks, 0, False, data.drop_last))
     batches = per_rank // layout.batch_size
     if not data.drop_last and per_rank % layout.batch_size:
         batches += 1

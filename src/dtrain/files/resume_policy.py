@@ -22,6 +22,12 @@ NOT_TRAINING = (
     "log.",
     "ckpt.",
     "dist.",
+    # How the ranks hold the model (DDP, FSDP, tensor parallelism) is not what they train: a
+    # checkpoint of one layout resumes under another (its batch: `effective_batch_kept`).
+    "parallel.mode",
+    "parallel.ddp.",
+    "parallel.fsdp.",
+    "parallel.tp.",
     # Replica groups train what one run over their ranks trains: a resume may add or drop them.
     "parallel.replicas.",
     "slurm.",
@@ -81,6 +87,24 @@ class _Absent:
 
 
 _ABSENT = _Absent()
+
+
+# The keys that make the effective batch with the layout: a move to another layout may change
+# them where the effective batch stays what it was.
+BATCH_KEYS = ("data.batch_size", "train.grad_accum")
+
+
+def effective_batch_kept(saved: dict, saved_world: int, current: dict, world: int) -> bool:
+    """Whether the run of config `current` at `world` ranks takes as many samples per step as
+    the run of `saved` at `saved_world` did (per rank batch x ranks reading batches of their
+    own x accumulation), so that a change of BATCH_KEYS only follows the layout."""
+
+    def per_step(cfg: dict, ranks: int) -> int:
+        tp = cfg.get("parallel", {}).get("tp", {}).get("size", 1)
+        batch, accum = cfg.get("data", {}).get("batch_size"), cfg.get("train", {}).get("grad_accum")
+        return batch * (ranks // tp) * accum if batch and accum and tp else -1
+
+    return per_step(saved, saved_world) == per_step(current, world) > 0
 
 
 def _leaves(flat: dict[str, Any]) -> dict[str, Any]:

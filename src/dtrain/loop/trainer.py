@@ -140,9 +140,9 @@ class Trainer:
         """The rest of the epoch from where the run is, split over the replica groups present.
         True when the epoch is finished; False when it ends part-way: a stop, the run's length,
         early stopping, or the groups changed (split again, from the same place)."""
-        train, state, loaders = self.train, self.state, self.feed.loaders
+        train, state, loaders, layout = self.train, self.state, self.feed.loaders, self.layout
         progress = self.observers.run_log.progress
-        split = self.replicas.split(loaders.train_sampler, self.layout.world_size, dist.rank())
+        split = self.replicas.split(loaders.train_sampler, layout.data_ranks, layout.data_rank)
         self.samples_per_step = self.layout.effective_batch * split
         loaders.train_sampler.set_epoch(state.epoch, state.samples_in_epoch)
         steps_this_epoch = len(loaders.train) // self.accum

@@ -176,7 +176,7 @@ class SelfAttention(nn.Module):
             raise UserError(
                 f"config error: model.args: dim {dim} is not divisible by heads {heads}"
             )
-        self.heads, self.dropout, self.causal = heads, dropout, causal
+        self.head_dim, self.dropout, self.causal = dim // heads, dropout, causal
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -186,8 +186,11 @@ class SelfAttention(nn.Module):
         """With `mask` (bool, True where a query may see a key), that mask replaces causality.
         With `cache` (generation), `x` follows the tokens whose keys and values it holds: they
         join them, and each query sees them all and the new tokens up to its own."""
-        batch, tokens, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).unbind(2)
+        batch, tokens, _ = x.shape
+        # The heads are counted from the projection's width, not fixed: under tensor
+        # parallelism this rank's projection holds its own heads only (parallel/tensor.py).
+        qkv = self.qkv(x).view(batch, tokens, 3, -1, self.head_dim)
+        q, k, v = qkv.unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = self.causal and mask is None
         if cache is not None:
@@ -202,7 +205,7 @@ class SelfAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal,
         )
-        return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, -1))
 
 
 class GPTBlock(nn.Module):

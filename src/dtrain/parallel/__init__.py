@@ -1,8 +1,9 @@
 """How the model is spread over the ranks: the parallel strategy (none, DDP, FSDP, HSDP) that
 lays the ranks out, builds and wraps the model and answers what differs between the modes in the
-loop and in `dtrain plan`; the blocks FSDP shards, BatchNorm across ranks, shard-by-shard
-construction (`sharded_init`), the run's numeric precision (`precision`), and the replica groups
-that step on when one is lost (`replicas`, torchft).
+loop and in `dtrain plan`; tensor parallelism over a device mesh with the data dimensions
+(`tensor`: its strategy, the plans that split a model, their styles); the blocks FSDP shards,
+BatchNorm across ranks, shard-by-shard construction (`sharded_init`), the run's numeric
+precision (`precision`), and the replica groups that step on when one is lost (`replicas`, torchft).
 
 Outside this package nothing branches on `parallel.mode`: the run asks `mesh` for the layout's
 mesh, then `strategy` for the object that builds its model.
@@ -22,14 +23,15 @@ from dtrain.parallel.strategies import (
     BY_MODE,
     DDP,
     FSDP,
+    HSDP,
     NOTHING,
     Counted,
+    SingleProcess,
     Strategy,
-    chosen,
-    configured,
     reshard,
     unwrap,
 )
+from dtrain.parallel.tensor import TensorParallel, split_names
 from dtrain.process.env import Env
 from dtrain.process.layout import Layout, Mesh
 
@@ -45,9 +47,25 @@ __all__ = [
     "gradient_sync",
     "mesh",
     "reshard",
+    "split_names",
     "strategy",
     "unwrap",
 ]
+
+
+def configured(cfg: ParallelConfig) -> type[Strategy]:
+    """The strategy the section asks for."""
+    if cfg.tp.size > 1:
+        return TensorParallel
+    if cfg.mode == "fsdp" and cfg.fsdp.hybrid_replicas > 1:
+        return HSDP
+    return BY_MODE[cfg.mode]
+
+
+def chosen(cfg: ParallelConfig, env: Env) -> type[Strategy]:
+    """The strategy of the section launched as `env`: a single process wraps the model in
+    nothing, whatever the section says."""
+    return configured(cfg) if env.distributed else SingleProcess
 
 
 def mesh(cfg: ParallelConfig, env: Env) -> Mesh:
@@ -81,4 +99,5 @@ def gradient_sync(
 ) -> contextlib.AbstractContextManager:
     """The context of a micro-batch's backward under the layout's strategy: gradients
     synchronised only with `sync`."""
-    return BY_MODE[layout.mode].gradient_sync(model, sync)
+    chosen = TensorParallel if layout.tp > 1 else BY_MODE[layout.mode]
+    return chosen.gradient_sync(model, sync)

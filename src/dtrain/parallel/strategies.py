@@ -392,16 +392,3 @@ def _count(model: nn.Module) -> int:
 
 # -- choosing ----------------------------------------------------------------------------------
 BY_MODE: dict[str, type[Strategy]] = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP}
-
-
-def configured(cfg: ParallelConfig) -> type[Strategy]:
-    """The strategy the section asks for."""
-    if cfg.mode == "fsdp" and cfg.fsdp.hybrid_replicas > 1:
-        return HSDP
-    return BY_MODE[cfg.mode]
-
-
-def chosen(cfg: ParallelConfig, env: Env) -> type[Strategy]:
-    """The strategy of the section launched as `env`: a single process wraps the model in
-    nothing, whatever the section says."""
-    return configured(cfg) if env.distributed else SingleProcess

@@ -33,6 +33,9 @@ class Mesh:
     shard_index: int = 0
     checkpoint_format: str = "full"  # what ckpt.format=auto becomes
     cpu_collectives: bool = False  # collectives on CPU tensors besides the device's
+    # Ranks each block's weights are split over (tensor parallelism; 1: none). They are the
+    # innermost dimension of the mesh: ranks tp*d .. tp*d + tp - 1 hold data rank d's batch.
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,21 @@ class Layout:
     batch_size: int  # per rank and micro-batch
     grad_accum: int
     checkpoint_format: str  # "full" | "sharded"
+    tp: int = 1  # ranks that split each block's weights and read the same batch
 
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read batches of their own: one per tensor-parallel group."""
+        return self.env.world_size // self.tp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the `data_ranks` (the sampler's rank, the loader's seed)."""
+        return self.env.rank // self.tp
 
     @property
     def num_nodes(self) -> int:
@@ -79,10 +93,19 @@ class Layout:
         single process launched with a config for DDP or FSDP runs as `none (one process)`."""
         return self.mode if self.mode == asked else f"{self.mode} (one process)"
 
+    def batch_terms(self) -> str:
+        """How the effective batch is made, for the banner and `dtrain plan`."""
+        ranks = f"{self.world_size} rank(s)"
+        if self.tp > 1:  # a tp group reads one batch between its ranks
+            ranks = f"{self.data_ranks} tp group(s) of {self.tp} ranks"
+        return f"{self.batch_size} per {'group' if self.tp > 1 else 'rank'} x {ranks} x " + (
+            f"{self.grad_accum} accumulation"
+        )
+
     @property
     def effective_batch(self) -> int:
         """Samples per optimizer step, all ranks together."""
-        return self.batch_size * self.world_size * self.grad_accum
+        return self.batch_size * self.data_ranks * self.grad_accum
 
 
 def pick_device(env: Env) -> torch.device:
@@ -138,4 +161,5 @@ def resolve(
         checkpoint_format=mesh.checkpoint_format
         if checkpoint_format == "auto"
         else checkpoint_format,
+        tp=mesh.tp,
     )

@@ -324,8 +324,7 @@ def _banner(
     log_fitted(
         f"model {cfg.model.name}: {pieces.num_params / 1e6:.3f} M parameters | task "
         f"{cfg.task.name} | data {cfg.data.name} | effective batch {layout.effective_batch} = "
-        f"{layout.batch_size} per rank x {world} rank(s) x {layout.grad_accum} "
-        f"accumulation | {pieces.steps.per_epoch} steps per epoch"
+        f"{layout.batch_terms()} | {pieces.steps.per_epoch} steps per epoch"
     )
     if cfg.model.trust_remote_code:
         log.info("model.trust_remote_code on: the model folder's own code (auto_map) may run")

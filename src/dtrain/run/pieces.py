@@ -95,8 +95,8 @@ def build_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> Pieces:
         datasets.val,
         cfg=data_cfg,
         seed=cfg.run.seed,
-        rank=dist.rank(),
-        world_size=layout.world_size,
+        rank=layout.data_rank,
+        world_size=layout.data_ranks,
         device=layout.device,
         overfit_batches=overfit,
         workers=workers,
@@ -133,8 +133,8 @@ def build_eval_pieces(cfg: Config, layout: Layout, clock: StartupClock) -> EvalP
     val_loader, val_sampler = data.validation_loader(
         datasets.val,
         cfg=cfg.data,
-        rank=dist.rank(),
-        world_size=layout.world_size,
+        rank=layout.data_rank,
+        world_size=layout.data_ranks,
         device=layout.device,
         workers=workers,
     )

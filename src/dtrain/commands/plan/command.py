@@ -69,6 +69,7 @@ class Plan:
     model_bytes: int  # parameters and buffers of the whole model
     largest_tensor: tuple[str, int]  # name and bytes of the largest parameter or buffer
     effective_batch: int
+    batch_terms: str  # how the effective batch is made
     steps_per_epoch: int
     total_steps: int
     num_params: int
@@ -82,6 +83,7 @@ class Plan:
     state_bytes_unsharded: int
     activation_note: str = ""
     warnings: list[str] = field(default_factory=list)
+    mesh_lines: list[str] = field(default_factory=list)  # under tensor parallelism
 
     def memory_for(self, mode: str, precision: str | None = None) -> Memory:
         precision = precision or self.cfg.train.precision
@@ -205,6 +207,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         model_bytes=_tensor_bytes(model),
         largest_tensor=_largest_tensor(model),
         effective_batch=layout.effective_batch,
+        batch_terms=layout.batch_terms(),
         steps_per_epoch=steps.per_epoch,
         total_steps=steps.total,
         num_params=sum(p.numel() for p in model.parameters()),
@@ -221,10 +224,43 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         activation_note=note,
         warnings=facts.warnings,
     )
+    if layout.tp > 1:
+        plan.mesh_lines = _mesh_lines(facts, cfg)
     too_big = _too_big(plan)
     if too_big:
         plan.warnings.append(too_big)
     return plan
+
+
+def _mesh_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
+    """The device mesh, each rank's place on it, and what a rank holds of the model's state."""
+    layout, split = facts.layout, facts.tp_split
+    dims = (layout.replicas, layout.shards, layout.tp)
+    places = [
+        f"{r}:({r // layout.tp // layout.shards},{r // layout.tp % layout.shards},{r % layout.tp})"
+        for r in range(layout.world_size)
+    ]
+    shown = places if len(places) <= 16 else [*places[:8], "...", *places[-4:]]
+    lines = [
+        f"  mesh        dp_replicate {dims[0]} x dp_shard {dims[1]} x tp {dims[2]} = "
+        f"{layout.world_size} rank(s); a tp group reads one batch",
+        f"              rank:(dp_replicate,dp_shard,tp) {' '.join(shown)}",
+    ]
+    if split is None:
+        return [
+            *lines,
+            "              the state per rank: a user's plan (parallel.tp.plan) is "
+            "applied by the run alone; the table below does not count its split",
+        ]
+    state = state_bytes(facts.model, cfg, layout.shards, split=split, tp=layout.tp)
+    count = sum(p.numel() for n, p in facts.model.named_parameters() if n in split)
+    return [
+        *lines,
+        f"              the state per rank: params {size_text(state['params'])}, grads "
+        f"{size_text(state['grads'])}, optimizer {size_text(state['optimizer'])} "
+        f"({count / 1e6:.3f} M parameters split over tp, the rest replicated in each group; "
+        f"then over {layout.shards} data shard(s))",
+    ]
 
 
 def _describe_sample(cfg: Config, info: dict[str, Any]) -> str:
@@ -273,11 +309,11 @@ def report(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> str:
         f"  world       {p.world_size} rank(s) = {p.nnodes} node(s) x {p.nproc} per node | device "
         f"{p.device} | backend {p.backend or 'none (single process)'} | mode {p.shown_mode} | "
         f"precision {c.train.precision}",
+        *p.mesh_lines,
         f"  data        {c.data.name}: {p.train_size} train / {p.val_size} val samples, "
         f"{p.sample}{overfit}",
         *(f"              {note}" for note in p.data_notes),
-        f"  batch       effective {p.effective_batch} = {c.data.batch_size} per rank x "
-        f"{p.world_size} rank(s) x {c.train.grad_accum} accumulation",
+        f"  batch       effective {p.effective_batch} = {p.batch_terms}",
         f"  steps       {p.steps_per_epoch} per epoch; {p.total_steps} in total over "
         f"{c.train.epochs} epoch(s){max_steps}",
         f"  model       {c.model.name}: {p.num_params / 1e6:.3f} M parameters in "

@@ -38,6 +38,9 @@ class ModelFacts:
     block_bytes: int  # all blocks' parameters
     largest_block: int  # the largest block's parameters
     root_bytes: int  # the parameters outside the blocks
+    # Under tensor parallelism: the parameters its plan splits (None: a user's plan function,
+    # which only a run applies); an empty set without it.
+    tp_split: set[str] | None = None
 
     @property
     def shards(self) -> int:
@@ -55,6 +58,9 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     model = models.build(cfg.model, shapes.info, cfg.run.seed, Weights.NONE)
     blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
     block_bytes = param_bytes(blocks)
+    tp = cfg.parallel.tp
+    # The plan's own refusals (no plan, a size it does not divide) before any process group.
+    tp_split = parallel.split_names(model, tp, cfg.model.name) if tp.size > 1 else set()
     return ModelFacts(
         layout=layout,
         counted=counted,
@@ -69,6 +75,7 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
         block_bytes=block_bytes,
         largest_block=max((param_bytes([b]) for b in blocks), default=0),
         root_bytes=param_bytes([model]) - block_bytes,
+        tp_split=tp_split,
     )
 
 

@@ -7,7 +7,7 @@ state layout), checkpoint size, activation bytes saved for the backward, communi
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,15 +55,24 @@ def ema_copies(cfg: Config) -> int:
     return 1 if cfg.train.ema.decay is not None else 0
 
 
-def state_bytes(model: nn.Module, cfg: Config, shards: int, rank: int = 0) -> dict[str, int]:
+def state_bytes(
+    model: nn.Module,
+    cfg: Config,
+    shards: int,
+    rank: int = 0,
+    split: Collection[str] = (),
+    tp: int = 1,
+) -> dict[str, int]:
     """The bytes `run.state_bytes` measures after the first step, computed from shapes:
     params, grads, optimizer (the EMA weights included) and their total for `rank` of `shards`,
-    and 'unsharded'."""
+    and 'unsharded'. The parameters named in `split` are split over `tp` ranks besides."""
     state = optimizer_state(cfg)
     slots, adam = state.slots + ema_copies(cfg), state.step
     totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         local, full = _local_bytes(p, shards, rank), p.numel() * p.element_size()
+        if name in split:
+            local //= tp
         totals["params"] += local
         totals["unsharded"] += full
         if not p.requires_grad:

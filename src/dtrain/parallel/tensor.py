@@ -1,0 +1,390 @@
+"""Tensor parallelism: each block's weights split over the `parallel.tp.size` ranks of a group,
+composed with data parallelism (DDP or FSDP) over the groups, on one device mesh
+(dp_replicate, dp_shard, tp), tp innermost.
+
+A model is split by a plan: the built-in GPT's own (`GPT_STYLES`), a Hugging Face model's
+`base_model_tp_plan` (`hf_styles`), or a user's function `(model, mesh)` by import path. What a
+plan leaves whole is replicated over the group as DTensors (`Replicated`), so that every
+parameter lives on the same mesh: the gradient norm, the optimizer's foreach kernels and DCP see
+one kind of tensor. The parameters keep their names and full shapes: a checkpoint of any layout
+loads into any other (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from dtrain.config import ModelConfig, ParallelConfig, TensorParallelConfig
+from dtrain.core.errors import UserError
+from dtrain.core.imports import load_callable
+from dtrain.parallel.precision import Precision
+from dtrain.parallel.strategies import FSDP, NOTHING, Prepare, Strategy
+from dtrain.process.env import Env
+from dtrain.process.layout import Mesh
+
+Plan = Callable[[nn.Module, Any], None]  # (model, the tp mesh): parallelizes in place
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+class TensorParallel(FSDP):
+    """parallel.tp.size > 1: the model built whole on every rank, split over its tp group by
+    its plan, then (with more than one group) wrapped by FSDP2 over the data dimensions: mode
+    ddp replicates it over them (a shard dimension of 1), mode fsdp shards it (HSDP with
+    parallel.fsdp.hybrid_replicas). Checkpoints are DCP's, reshardable onto any layout."""
+
+    @classmethod
+    def mesh(cls, cfg: ParallelConfig, env: Env) -> Mesh:
+        tp, world = cfg.tp.size, env.world_size
+        if cfg.mode == "none":
+            raise UserError(
+                "config error: parallel.tp.size: tensor parallelism needs parallel.mode ddp or "
+                "fsdp for the data dimensions (mode none trains one unrelated model per rank)"
+            )
+        if world % tp:
+            raise UserError(
+                f"config error: parallel.tp.size: {tp} does not divide the world size {world}; "
+                f"launch a multiple of {tp} ranks"
+            )
+        data = world // tp
+        replicas = data if cfg.mode == "ddp" else cfg.fsdp.hybrid_replicas
+        if data % replicas:
+            raise UserError(
+                f"config error: parallel.fsdp.hybrid_replicas: {replicas} does not divide the "
+                f"{data} data ranks ({world} ranks / tp {tp})"
+            )
+        shards = data // replicas
+        return Mesh(
+            cfg.mode,
+            sharded=data > 1,  # wrapped by FSDP2 (its mixed-precision policy, not autocast)
+            replicas=replicas,
+            shards=shards,
+            shard_index=(env.rank // tp) % shards,
+            checkpoint_format="sharded",
+            tp=tp,
+        )
+
+    @classmethod
+    def for_world_size(cls, cfg: ParallelConfig, world_size: int) -> ParallelConfig:
+        """At a world size the split does not fit (an evaluation on fewer ranks): none."""
+        tp = cfg.tp.size
+        if world_size % tp == 0:
+            data = world_size // tp
+            if cfg.mode == "ddp" or data % cfg.fsdp.hybrid_replicas == 0:
+                return cfg
+        fsdp = dataclasses.replace(cfg.fsdp, hybrid_replicas=1)
+        return dataclasses.replace(cfg, tp=dataclasses.replace(cfg.tp, size=1), fsdp=fsdp)
+
+    def build(
+        self,
+        model_cfg: ModelConfig,
+        info: dict[str, Any],
+        seed: int,
+        precision: Precision,
+        prepare: Prepare | None = None,
+    ) -> tuple[nn.Module, int, list[str]]:
+        """Built whole on every rank from the seed (the same weights everywhere), then split."""
+        model, count, notes = Strategy.build(self, model_cfg, info, seed, precision, prepare)
+        layout = self.layout
+        rank, tp, shards = layout.env.rank, layout.tp, layout.shards
+        place = (rank // tp // shards, rank // tp % shards, rank % tp)
+        notes.append(
+            f"mesh dp_replicate {layout.replicas} x dp_shard {layout.shards} x tp {layout.tp}; "
+            f"rank {rank} at {place}; the model built whole on every rank, then split"
+        )
+        return model, count, notes
+
+    def wrap(
+        self,
+        model: nn.Module,
+        model_cfg: ModelConfig,
+        precision: Precision,
+        on_meta: bool = False,
+        notes: list[str] | None = None,
+    ) -> nn.Module:
+        _quiet_torch_notices()
+        model.to(self.layout.device)
+        check_divides(model, self.layout.tp, model_cfg.name)
+        parallelize(model, plan_of(model, self.cfg.tp, model_cfg.name), self._mesh()["tp"])
+        return super().wrap(model, model_cfg, precision, on_meta, notes)
+
+    def _mesh(self) -> Any:
+        """The run's device mesh, made once (FSDP's dimensions and tp's are views of it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout = self.layout
+        if getattr(self, "_made", None) is None:
+            shape = (layout.replicas, layout.shards, layout.tp)
+            self._made = init_device_mesh(layout.device.type, shape, mesh_dim_names=MESH_DIMS)
+        return self._made
+
+    def _device_mesh(self) -> Any:
+        return self._mesh()["dp_replicate", "dp_shard"]
+
+    def _distribute(
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        precision: Precision,
+        notes: list[str] | None,
+    ) -> nn.Module:
+        if self.layout.data_ranks == 1:  # one tp group: nothing to replicate or shard over
+            return model
+        return super()._distribute(model, blocks, precision, notes)
+
+    @staticmethod
+    def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync)
+        return NOTHING
+
+
+def _quiet_torch_notices() -> None:
+    """Two of torch's notices that say nothing of a tensor-parallel run: the gradient norm's
+    reduction over two mesh dimensions in turn (every rank of a dimension gets the same sum, so
+    the ranks agree), and FSDP's warning that the root returns a view (the all-gathered logits;
+    the tasks compute their losses out of place)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+# -- styles ------------------------------------------------------------------------------------
+class _Regroup(torch.autograd.Function):
+    """A fused projection of `parts` equal parts (GPT's [q; k; v]) split by columns over the
+    group: each rank's slice holds whole blocks of columns, not its share of each part. One
+    all-to-all gives each rank its columns of every part (its heads of q, k and v), in order;
+    the backward sends the gradients back the same way. No arithmetic: exact."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, parts: int, group: Any) -> torch.Tensor:
+        size, rank = torch_dist.get_world_size(group), torch_dist.get_rank(group)
+        lead, width = local.shape[:-1], local.shape[-1] // parts
+        blocks = local.reshape(-1, parts, width).transpose(0, 1)  # (parts, rows, width)
+        # Block i of this rank is global block rank * parts + i: part (that // size), the share
+        # of rank (that % size). Sent in order of the rank it goes to.
+        owner = [(rank * parts + i) % size for i in range(parts)]
+        order = sorted(range(parts), key=lambda i: (owner[i], i))
+        send = [owner.count(r) for r in range(size)]
+        recv = [sum((src * parts + i) % size == rank for i in range(parts)) for src in range(size)]
+        out = blocks.new_empty(blocks.shape)  # contiguous (empty_like would keep the transpose)
+        torch_dist.all_to_all_single(out, blocks[order].contiguous(), recv, send, group=group)
+        ctx.routing = (parts, group, order, send, recv, lead)
+        return out.transpose(0, 1).reshape(*lead, parts * width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        parts, group, order, send, recv, lead = ctx.routing
+        width = grad.shape[-1] // parts
+        blocks = grad.reshape(-1, parts, width).transpose(0, 1).contiguous()
+        back = blocks.new_empty(blocks.shape)
+        torch_dist.all_to_all_single(back, blocks, send, recv, group=group)
+        restored = torch.empty_like(back)
+        restored[order] = back
+        return restored.transpose(0, 1).reshape(*lead, parts * width), None, None
+
+
+class FusedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output is `parts` projections side by side: the
+    weight is split by rows as ColwiseParallel splits it (its checkpoint is that of any other
+    layout), and the output regrouped so that each rank holds its columns of every part."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        group, parts = device_mesh.get_group(), self.parts
+        module.register_forward_hook(lambda _m, _i, out: _Regroup.apply(out, parts, group))
+        return module
+
+
+def _as_replicated(_module: nn.Module, args: tuple, mesh: Any) -> tuple:
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+        else a
+        for a in args
+    )
+
+
+def _as_local(_module: nn.Module, out: Any, _mesh: Any) -> Any:
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
+class Replicated(ParallelStyle):
+    """The whole module on every rank of the group, its parameters DTensors replicated over it
+    (inputs in, outputs out as plain tensors). Its gradients are equal on every rank of the
+    group (its inputs are), so nothing is exchanged."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        # (torch types input_fn as returning None; the inputs it returns replace the given ones)
+        return distribute_module(module, device_mesh, None, cast(Any, _as_replicated), _as_local)
+
+
+# -- plans -------------------------------------------------------------------------------------
+class Styles:
+    """A plan as module-name patterns (`*` for any one name) of a part of the model (`under`:
+    the model itself, or a Hugging Face model's base model) and how each is split."""
+
+    def __init__(self, styles: dict[str, Callable[[], ParallelStyle]], under: str = "") -> None:
+        self.styles, self.under = styles, under
+
+    def __call__(self, model: nn.Module, mesh: Any) -> None:
+        part = model.get_submodule(self.under) if self.under else model
+        parallelize_module(part, mesh, {name: style() for name, style in self.styles.items()})
+
+    def splits(self, name: str) -> bool:
+        """Whether the parameter `name` of the whole model is split (not replicated)."""
+        module = name.rpartition(".")[0]
+        prefix = f"{self.under}." if self.under else ""
+        return any(fnmatch.fnmatchcase(module, prefix + p) for p in self.styles)
+
+
+# The built-in GPT (Megatron's split): attention by heads (the fused qkv regrouped), the MLP's
+# first Linear by columns and its second by rows, the vocabulary of the tied embedding and
+# output head by rows; norms and positions replicated.
+GPT_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "tok_emb": functools.partial(RowwiseParallel, input_layouts=Replicate()),
+    "head": functools.partial(ColwiseParallel, output_layouts=Replicate()),
+    "blocks.*.attn.qkv": functools.partial(FusedColwise, 3),
+    "blocks.*.attn.proj": RowwiseParallel,
+    "blocks.*.mlp.0": ColwiseParallel,
+    "blocks.*.mlp.2": RowwiseParallel,
+}
+
+# The styles of a Hugging Face model's `base_model_tp_plan` that dtrain applies.
+HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": functools.partial(ColwiseParallel, output_layouts=Replicate()),
+    "rowwise_rep": functools.partial(RowwiseParallel, input_layouts=Replicate()),
+}
+
+
+def hf_styles(model: nn.Module) -> Styles:
+    """A Hugging Face model's own plan (`base_model_tp_plan` of its config: module name
+    patterns of its base model and how each is split)."""
+    wanted = getattr(model.config, "base_model_tp_plan", None) or {}
+    unknown = sorted({style for style in wanted.values() if style not in HF_STYLES})
+    if unknown:
+        raise UserError(
+            f"config error: parallel.tp.plan: the model's base_model_tp_plan uses "
+            f"{', '.join(unknown)}, which dtrain does not apply; give a plan function "
+            f"(parallel.tp.plan=module:function)"
+        )
+    prefix = getattr(model, "base_model_prefix", "")
+    under = prefix if prefix and hasattr(model, prefix) else ""
+    return Styles({name: HF_STYLES[style] for name, style in wanted.items()}, under)
+
+
+def plan_of(model: nn.Module, cfg: TensorParallelConfig, model_name: str) -> Plan:
+    """The plan that splits `model` (model.name `model_name`) as parallel.tp.plan says; a model
+    with none is refused in one line."""
+    from dtrain.models import GPT  # (models import nothing of parallel)
+
+    if cfg.plan != "auto":
+        return load_callable(cfg.plan, "parallel.tp.plan")
+    if isinstance(model, GPT):
+        return Styles(GPT_STYLES)
+    if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
+        return hf_styles(model)
+    raise UserError(
+        f"config error: parallel.tp.size: model {model_name} has no tensor-parallel plan (the "
+        f"built-in gpt has one, a Hugging Face model its config's base_model_tp_plan); give "
+        f"one (parallel.tp.plan=module:function) or set parallel.tp.size=1"
+    )
+
+
+def split_names(model: nn.Module, cfg: TensorParallelConfig, model_name: str) -> set[str] | None:
+    """For `dtrain plan` (the model on the meta device): the parameters the plan splits over
+    the tp group, after checking that it exists and that the split divides the model. None for
+    a user's plan function, which only a run can apply."""
+    check_divides(model, cfg.size, model_name)
+    plan = plan_of(model, cfg, model_name)
+    if not isinstance(plan, Styles):
+        return None
+    return {name for name, _ in model.named_parameters() if plan.splits(name)}
+
+
+def check_divides(model: nn.Module, tp: int, model_name: str) -> None:
+    """The sizes a split must divide, from the model (built on the meta device in `dtrain
+    plan`): the heads, the hidden size and the MLP's width, and for GPT the vocabulary."""
+    from dtrain.models import GPT
+
+    sizes: dict[str, int] = {}
+    if isinstance(model, GPT):
+        dim = model.tok_emb.embedding_dim
+        sizes = {"vocab_size": model.tok_emb.num_embeddings, "dim": dim}
+        for block in model.blocks[:1]:
+            sizes["heads"] = dim // cast(Any, block).attn.head_dim
+    else:
+        config = getattr(model, "config", None)
+        keys = ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size")
+        for key in keys:
+            value = getattr(config, key, None)
+            if isinstance(value, int):
+                sizes[key] = value
+    for key, value in sizes.items():
+        if value % tp:
+            raise UserError(
+                f"config error: parallel.tp.size: {tp} does not divide model {model_name}'s "
+                f"{key} ({value}); choose a size that divides it"
+            )
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: Any) -> None:
+    """Split `model` over the tp `mesh` by `plan`, then replicate over it every parameter the
+    plan left whole; tied parameters (an embedding and its output head) stay tied."""
+    ties = _ties(model)
+    plan(model, mesh)
+    for name, module in list(model.named_modules()):
+        own = [p for p in module.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+        if any(True for _ in module.children()):
+            raise UserError(
+                f"config error: parallel.tp.plan: module '{name}' holds parameters of its own "
+                f"beside its children, which the plan left whole; the plan must split or "
+                f"replicate it"
+            )
+        Replicated()._apply(module, mesh)
+    for owner, attr, source in ties:
+        setattr(owner, attr, _get(model, source))
+
+
+def _ties(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """Each parameter reached under a second name: (its module, attribute, the first name)."""
+    first: dict[int, str] = {}
+    ties = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}" if module_name else attr
+            if id(param) in first and first[id(param)] != name:
+                ties.append((module, attr, first[id(param)]))
+            first.setdefault(id(param), name)
+    return ties
+
+
+def _get(model: nn.Module, name: str) -> nn.Parameter:
+    module_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module_name) if module_name else model, attr)
