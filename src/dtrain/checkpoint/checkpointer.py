@@ -77,6 +77,7 @@ class Checkpointer:
         self.ckpt, self.store, self.contents = ckpt, store, contents
         self.device = layout.device
         self.format = layout.checkpoint_format
+        self.random_rank = layout.random_rank  # whose random states this rank resumes with
         self.last_saved_step: int | None = None
         self.config_changes: list[str] = []  # training keys changed since the resumed checkpoint
         self.superseded: str | None = None  # where an abandoned history was moved
@@ -377,7 +378,7 @@ class Checkpointer:
             local = local_folder(path, self._fetched, self.store.options, self.store.timeout_s)
             shown = path.rstrip("/") if is_url(path) else None
             resumed, self.config_changes = load_run(
-                self.contents, local, shown, self.ckpt, self.device
+                self.contents, local, shown, self.ckpt, self.device, self.random_rank
             )
             self._resumed, self.last_saved_step = resumed, resumed.step
         except (ConfigChanged, OutsideName, StoreUnanswered):  # every rank, or told by one

@@ -265,11 +265,17 @@ def _own_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def load_run(
-    contents: Contents, local: str, shown: str | None, ckpt: CkptConfig, device: torch.device
+    contents: Contents,
+    local: str,
+    shown: str | None,
+    ckpt: CkptConfig,
+    device: torch.device,
+    random_rank: int,
 ) -> tuple[Resumed, list[str]]:
     """Read the checkpoint at `local` (a local path, or the local copy of the store's `shown`),
     check it against the run's model and config, then apply it to the run's `contents`: where
-    it came from, and the training keys changed since (`check_config`). Every rank calls it."""
+    it came from, and the training keys changed since (`check_config`). Every rank calls it;
+    its random states are those of `random_rank` (the layout's)."""
     full_data: dict[str, Any] | None = None  # rank 0's; the others receive what they need
     model, optimizer, spec = contents.model, contents.optimizer, contents.spec
     # The model's keys and full shapes, to refuse a checkpoint of another model up front (the
@@ -317,22 +323,22 @@ def load_run(
         raise
     finally:
         full_data = None
-    return _restore_meta(contents, meta, shown or folder, device), changes
+    return _restore_meta(contents, meta, shown or folder, device, random_rank), changes
 
 
 def _restore_meta(
-    contents: Contents, meta: dict[str, Any], folder: str, device: torch.device
+    contents: Contents, meta: dict[str, Any], folder: str, device: torch.device, random_rank: int
 ) -> Resumed:
     """The random states and the parts, as the checkpoint's metadata `meta` holds them."""
     saved_world, position = meta["world_size"], meta[POSITION]
     if saved_world == dist.world_size():
-        rng.restore(meta["rng"][dist.rank()], device)
+        rng.restore(meta["rng"][random_rank], device)
     else:
         log.warning(
             f"world size changed from {saved_world} to {dist.world_size()}: resuming "
             f"at the same sample of the epoch; random states are re-seeded"
         )
-        rng.reseed(contents.seed + 7919 * (position["step"] + 1) + dist.rank())
+        rng.reseed(contents.seed + 7919 * (position["step"] + 1) + random_rank)
     for name, part in contents.parts.items():
         saved = position if name == POSITION else meta["extra"].get(name)
         if saved is None:

@@ -93,6 +93,12 @@ class Layout:
         single process launched with a config for DDP or FSDP runs as `none (one process)`."""
         return self.mode if self.mode == asked else f"{self.mode} (one process)"
 
+    @property
+    def random_rank(self) -> int:
+        """The rank whose random states this one restores or is re-seeded as: the first of its
+        tp group (the ranks of a group must draw the same dropout masks), else itself."""
+        return self.env.rank - self.env.rank % self.tp
+
     def batch_terms(self) -> str:
         """How the effective batch is made, for the banner and `dtrain plan`."""
         ranks = f"{self.world_size} rank(s)"

@@ -98,8 +98,9 @@ class GroupLaunch:
 
     def global_rank(self, layout: Layout) -> int:
         """This rank's place among the ranks of every group, as one DDP run over them would
-        number it (its random state for dropout follows it)."""
-        return (self.index or 0) * layout.world_size + dist.rank()
+        number it (its random state for dropout follows it; the ranks of a tp group share the
+        first one's)."""
+        return (self.index or 0) * layout.world_size + layout.random_rank
 
     def requeues_its_job(self, env: Env) -> bool:
         """Whether this launch requeues its SLURM job when preempted: a run of its own, or
