@@ -44,10 +44,11 @@ def table() -> str:
 
 
 def train(out: Path, name: str, config: str | None, *overrides: str, cpu: bool = False,
-          torchrun: bool = True) -> list[dict]:
-    """One dtrain launch (torchrun with one rank, or a single process without a process group);
-    its training records. Its log is kept. `config` None: dtrain's defaults under the overrides."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+          torchrun: bool = True, nproc: int = 1) -> list[dict]:
+    """One dtrain launch (torchrun with `nproc` ranks, or a single process without a process
+    group); its training records. Its log is kept. `config` None: dtrain's defaults under the
+    overrides."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [sys.executable, *(launcher if torchrun else []),
            str(REPO / "launch" / "train.py"), *(["--config", str(REPO / config)] if config else []),
            *overrides, *(["data.num_workers=0"] if TRY else []), f"run.out_dir={out}",
@@ -72,18 +73,20 @@ def steady(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def plan_command(config: str | None, overrides: list[str], *flags: str) -> str:
+def plan_command(config: str | None, overrides: list[str], *flags: str, nproc: int = 1) -> str:
     cmd = [sys.executable, "-m", "dtrain", "plan", *(["--config", str(REPO / config)] if config
-                                                      else []), "--nproc", "1", *overrides, *flags]
+                                                      else []), "--nproc", str(nproc), *overrides,
+           *flags]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError("dtrain plan: " + (proc.stderr.strip().splitlines() or ["?"])[-1])
     return proc.stdout
 
 
-def plan_total(config: str | None, overrides: list[str]) -> float:
+def plan_total(config: str | None, overrides: list[str], nproc: int = 1) -> float:
     """`dtrain plan`'s predicted peak per rank for the planned run, in GiB."""
-    line = next(x for x in plan_command(config, overrides).splitlines() if "<- this run" in x)
+    planned = plan_command(config, overrides, nproc=nproc)
+    line = next(x for x in planned.splitlines() if "<- this run" in x)
     value, unit = re.findall(r"([\d.]+) (B|KiB|MiB|GiB)", line)[-1]
     return float(value) * {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1}[unit]
 
@@ -276,3 +279,38 @@ def hf_llama(out: Path) -> None:
                         f"train.log_every={max(1, steps // 6)}", "train.eval_every_epochs=0",
                         "ckpt.every_epochs=0")
         _lm_figures("5", label, records, out / label, None, sized)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Tensor parallelism on two GPUs: tp 2 against DDP on the same two, bf16 on NCCL
+
+
+def tensor_parallel(out: Path) -> None:
+    """The 152 M GPT of part 3 (eager, not compiled) as DDP on 2 GPUs and as tp 2 (one group
+    reading twice DDP's per-rank batch: the same global batch): tokens/s, the first losses
+    against DDP's (bf16 tolerance), and each one's peak memory against `dtrain plan`. Needs two
+    GPUs; with one it says so (under --cpu-try: 2 CPU ranks on gloo, tiny)."""
+    import torch
+
+    if not TRY and torch.cuda.device_count() < 2:
+        figure("7", "tensor parallelism", f"skipped: {torch.cuda.device_count()} GPU(s), needs 2")
+        return
+    dim, depth, heads, seq_len, batch, steps = (GPT_TRY if TRY else GPT_SIZES)["gpt-152m"]
+    base = [*gpt_overrides(dim, depth, heads, seq_len, batch), f"train.max_steps={steps}",
+            f"train.log_every={max(1, steps // 8)}", "train.eval_every_steps=null",
+            "ckpt.every_steps=null"]
+    runs = {}
+    for label, extra in (("ddp2", []), ("tp2", [f"data.batch_size={2 * batch}",
+                                                  "parallel.tp.size=2"])):
+        records = train(out, f"gpt-{label}", "configs/gpt_text.yaml", *base, *extra, nproc=2)
+        runs[label] = records
+        figure("7", f"gpt-152m {label} tokens/s", f"{steady(records, 'tokens_per_s'):.0f}")
+        peak = peak_gib(out / f"gpt-{label}")
+        planned = plan_total("configs/gpt_text.yaml", [*base, *extra], nproc=2)
+        figure("7", f"gpt-152m {label} peak/plan", f"{peak / planned:.2f}",
+               f"peak {peak:.3f} GiB, dtrain plan {planned:.3f} GiB")
+    pairs = list(zip(runs["tp2"], runs["ddp2"]))[:4]
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
+    figure("7", "tp2 vs ddp2 bf16 losses", f"{worst:.4f}",
+           f"largest relative difference over the first {len(pairs)} records; "
+           f"{'within' if worst <= 0.02 else 'OUTSIDE'} bf16 tolerance 0.02")

@@ -33,6 +33,7 @@ import overhead  # noqa: E402
 import peers  # noqa: E402
 import replicas  # noqa: E402
 import startup  # noqa: E402
+import tensor_parallel  # noqa: E402
 import tokenize_speed  # noqa: E402
 import tokens_data  # noqa: E402
 from common import Figure  # noqa: E402
@@ -42,12 +43,14 @@ BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memor
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
               "tokenize": tokenize_speed, "tokens": tokens_data, "objstore": objstore_io,
-              "replicas": replicas}
+              "replicas": replicas, "tensor_parallel": tensor_parallel}
 # Run on request only: exit_codes (40 launches, several minutes) and replicas (torchft, the
-# `replicas` extra; about 10 minutes a round on 2 cores). The timed ones first;
+# `replicas` extra; about 10 minutes a round on 2 cores) and tensor_parallel (4 ranks a side,
+# about 2 minutes a round). The timed ones first;
 # the memory ones (peak RSS, the frontier's depths) last, as the machine's load moves them least.
 MEMORY = ["memory", "frontier"]
-DEFAULT = [n for n in BENCHMARKS if n not in ("exit_codes", "replicas", *MEMORY)] + MEMORY
+ON_REQUEST = ("exit_codes", "replicas", "tensor_parallel")
+DEFAULT = [n for n in BENCHMARKS if n not in (*ON_REQUEST, *MEMORY)] + MEMORY
 
 
 def _machine() -> str:

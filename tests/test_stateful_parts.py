@@ -59,7 +59,9 @@ def _checkpointer(tmp_path: Path, fmt: str) -> tuple[Checkpointer, TrainState, C
     torch.manual_seed(0)
     model = nn.Linear(2, 3)
     state, counter, tensors = TrainState(), Counter(), Tensors()
-    layout: Any = types.SimpleNamespace(device=torch.device("cpu"), checkpoint_format=fmt)
+    layout: Any = types.SimpleNamespace(
+        device=torch.device("cpu"), checkpoint_format=fmt, random_rank=0
+    )
     contents = Contents(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
