@@ -31,6 +31,7 @@ import memory  # noqa: E402
 import objstore_io  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
+import pipeline_parallel  # noqa: E402
 import replicas  # noqa: E402
 import startup  # noqa: E402
 import tensor_parallel  # noqa: E402
@@ -43,13 +44,14 @@ BENCHMARKS = {"overhead": overhead, "checkpoint": checkpoint_io, "memory": memor
               "startup": startup, "pipeline": input_pipeline, "images": image_folder,
               "peers": peers, "exit_codes": exit_codes, "headline": headline,
               "tokenize": tokenize_speed, "tokens": tokens_data, "objstore": objstore_io,
-              "replicas": replicas, "tensor_parallel": tensor_parallel}
+              "replicas": replicas, "tensor_parallel": tensor_parallel,
+              "pipeline_parallel": pipeline_parallel}
 # Run on request only: exit_codes (40 launches, several minutes) and replicas (torchft, the
-# `replicas` extra; about 10 minutes a round on 2 cores) and tensor_parallel (4 ranks a side,
-# about 2 minutes a round). The timed ones first;
+# `replicas` extra; about 10 minutes a round on 2 cores), tensor_parallel (4 ranks a side,
+# about 2 minutes a round) and pipeline_parallel (2 ranks, three sides). The timed ones first;
 # the memory ones (peak RSS, the frontier's depths) last, as the machine's load moves them least.
 MEMORY = ["memory", "frontier"]
-ON_REQUEST = ("exit_codes", "replicas", "tensor_parallel")
+ON_REQUEST = ("exit_codes", "replicas", "tensor_parallel", "pipeline_parallel")
 DEFAULT = [n for n in BENCHMARKS if n not in (*ON_REQUEST, *MEMORY)] + MEMORY
 
 

@@ -59,6 +59,7 @@ from dtrain.files.store import (
     file_sizes,
 )
 from dtrain.files.store_protocol import CheckpointStore
+from dtrain.parallel import whole_shapes
 from dtrain.process import dist, rng
 from dtrain.process.layout import Layout
 
@@ -375,7 +376,10 @@ class Checkpointer:
         all that it is damaged), is not a reason to try an older checkpoint: it ends the start."""
         problem = None
         try:
-            local = local_folder(path, self._fetched, self.store.options, self.store.timeout_s)
+            every_rank = whole_shapes(self.contents.model) is not None
+            local = local_folder(
+                path, self._fetched, self.store.options, self.store.timeout_s, every_rank
+            )
             shown = path.rstrip("/") if is_url(path) else None
             resumed, self.config_changes = load_run(
                 self.contents, local, shown, self.ckpt, self.device, self.random_rank

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from dtrain.files.resume_policy import (
     training_differences,
 )
 from dtrain.models.spec import ModelSpec
-from dtrain.parallel import unwrap
+from dtrain.parallel import unwrap, whole_shapes
 from dtrain.process import dist, rng
 from dtrain.process.compat import tree_map_tensors
 
@@ -165,10 +165,15 @@ def trained_shapes(model: nn.Module, spec: ModelSpec) -> dict[str, tuple[int, ..
 
 
 def local_folder(
-    path: str, into: str, options: dict[str, Any], timeout_s: float = TIMEOUT_S
+    path: str,
+    into: str,
+    options: dict[str, Any],
+    timeout_s: float = TIMEOUT_S,
+    every_rank: bool = False,
 ) -> str:
     """`path` itself, or for a checkpoint in an object store its local copy below `into` (of a
-    full checkpoint, only rank 0 reads the files; the others the marker). What one rank met
+    full checkpoint, only rank 0 reads the files, the others the marker, unless `every_rank`
+    reads the whole: a pipeline stage's ranks, which hold different parts). What one rank met
     fetching it (a store that did not answer, a damaged marker), every rank raises: none is
     left waiting for a rank that stopped."""
     if not is_url(path):
@@ -179,7 +184,7 @@ def local_folder(
             path,
             into,
             options,
-            lambda marker: marker.get("format") != "full" or dist.is_main(),
+            lambda marker: marker.get("format") != "full" or dist.is_main() or every_rank,
             timeout_s,
         )
     except UserError as e:
@@ -196,9 +201,11 @@ def apply_full(
     data: dict[str, Any] | None,
     folder: str,
     spec: ModelSpec,
+    broadcast: bool = True,
 ) -> None:
-    """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast.
-    Without an optimizer (evaluation), the model's weights only."""
+    """Rank 0 holds the file (memory-mapped); the others receive their part by broadcast, or
+    without `broadcast` hold it too (a pipeline's stages each take their own part). Without an
+    optimizer (evaluation), the model's weights only."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -209,8 +216,9 @@ def apply_full(
         True,
         spec,
         cpu_offload=False,
-        strict=spec.holds_everything,
-        broadcast_from_rank0=dist.is_distributed(),
+        # (a stage's part takes its own keys of the whole: all there, as checked before)
+        strict=spec.holds_everything and broadcast,
+        broadcast_from_rank0=broadcast and dist.is_distributed(),
     )
     try:
         set_model_state_dict(model, data["model"], options=options)
@@ -245,6 +253,12 @@ def apply_sharded(
         staged["optimizer"] = tree_map_tensors(torch.empty_like, optimizer_state)
     staged.update(extra or {})
     ckpt_state.read_sharded(folder, staged)
+    if optimizer is not None:
+        # Each group's parameters by name are this rank's own: DCP keeps one rank's list, and
+        # a pipeline stage's ranks hold different parameters (the groups' settings are alike).
+        groups = cast(list, optimizer_state["param_groups"])
+        for read, own in zip(staged["optimizer"]["param_groups"], groups, strict=True):
+            read["params"] = own["params"]
     set_model_state_dict(model, staged["model"], options=options)
     if optimizer is not None:
         with _own_implementation(optimizer):
@@ -281,7 +295,9 @@ def load_run(
     # The model's keys and full shapes, to refuse a checkpoint of another model up front (the
     # module's own state_dict has the names and global shapes the distributed state-dict API
     # uses; importing that API costs half a second, not to be paid before a fresh start).
-    ours = trained_shapes(unwrap(model), spec)
+    whole = whole_shapes(model)
+    pipeline = whole is not None
+    ours = whole or trained_shapes(unwrap(model), spec)
 
     def read() -> tuple[str, str, dict[str, Any], str | None]:
         nonlocal full_data
@@ -312,7 +328,11 @@ def load_run(
             if tensors is not None:
                 staged[name] = tensors
         if fmt == "full":
-            apply_full(model, optimizer, full_data, folder, spec)
+            # A pipeline stage's ranks hold different parts: each reads the file (rank 0
+            # checked it above), none waits on a broadcast of keys it does not have.
+            if pipeline and not dist.is_main():
+                full_data = ckpt_state.load_checked(os.path.join(folder, FULL_FILE), mmap=True)
+            apply_full(model, optimizer, full_data, folder, spec, broadcast=not pipeline)
         else:
             apply_sharded(model, optimizer, folder, spec, staged)
         for name, tensors in staged.items():

@@ -23,6 +23,7 @@ from dtrain.config.parallel import (
     DDPConfig,
     FSDPConfig,
     ParallelConfig,
+    PipelineConfig,
     ReplicasConfig,
     TensorParallelConfig,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "EarlyStopConfig",
     "EmaConfig",
     "FSDPConfig",
+    "PipelineConfig",
     "TensorParallelConfig",
     "LogConfig",
     "LoraConfig",

@@ -39,6 +39,7 @@ def cross_checks(cfg: Config) -> None:
     _check_qat(cfg.train.qat)
     _check_replicas(cfg.parallel)
     _check_tensor_parallel(cfg)
+    _check_pipeline(cfg)
     wrap = cfg.parallel.fsdp.wrap
     if isinstance(wrap, str) and wrap != "auto":
         raise UserError(
@@ -190,6 +191,46 @@ def _check_tensor_parallel(cfg: Config) -> None:
                 f"config error: parallel.tp.size={cfg.parallel.tp.size} with {key}: the two do "
                 f"not compose in dtrain; drop {key} or set parallel.tp.size=1"
             )
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """What pipeline parallelism needs of the rest of the config, and what it does not compose
+    with yet: one line each, before any launch."""
+    pp = cfg.parallel.pp
+    if pp.size == 1:
+        return
+    refused = {
+        "model.lora": cfg.model.lora.r is not None,
+        "train.qat": cfg.train.qat.scheme is not None,
+        "train.ema": cfg.train.ema.decay is not None,
+        "train.eval_tasks": bool(cfg.train.eval_tasks),
+        "train.precision=fp16": cfg.train.precision == "fp16",
+        "parallel.replicas": cfg.parallel.replicas.groups > 0,
+        "model.compile": cfg.model.compile,
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+    }
+    for key, on in refused.items():
+        if on:
+            raise UserError(
+                f"config error: parallel.pp.size={pp.size} with {key}: the two do not compose "
+                f"in dtrain; drop {key} or set parallel.pp.size=1"
+            )
+    if pp.schedule != "gpipe" and pp.microbatches < pp.size:
+        raise UserError(
+            f"config error: parallel.pp.microbatches: {pp.schedule} needs at least one "
+            f"micro-batch per stage rank ({pp.size}), got {pp.microbatches}; raise it or use "
+            f"schedule gpipe"
+        )
+    if pp.schedule in ("gpipe", "1f1b") and pp.stages_per_rank > 1:
+        raise UserError(
+            "config error: parallel.pp.stages_per_rank: gpipe and 1f1b hold one stage per rank; "
+            "use schedule interleaved_1f1b or zero_bubble for more"
+        )
+    if cfg.data.batch_size % pp.microbatches:
+        raise UserError(
+            f"config error: parallel.pp.microbatches: {pp.microbatches} does not divide "
+            f"data.batch_size {cfg.data.batch_size}; choose a batch size it divides"
+        )
 
 
 def _check_monitor(cfg: Config) -> None:

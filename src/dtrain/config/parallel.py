@@ -71,6 +71,47 @@ class TensorParallelConfig:
     )
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism: the model's blocks cut into stages over `size` ranks, each batch
+    cut into micro-batches that flow through them: see [Parallelism](parallelism.md)."""
+
+    size: int = option(
+        1,
+        check=AT_LEAST_ONE,
+        doc="ranks the model's stages are spread over (1: off); with tp, their product divides "
+        "the world size",
+    )
+    schedule: str = option(
+        "1f1b",
+        choices=SCHEDULES,
+        doc="the order of the micro-batches' forwards and backwards: gpipe (all forwards, then "
+        "all backwards), 1f1b, interleaved_1f1b (several stages per rank), zero_bubble "
+        "(interleaved, the weight gradients deferred into the bubble)",
+    )
+    microbatches: int = option(
+        4,
+        check=AT_LEAST_ONE,
+        doc="micro-batches each batch (data.batch_size, which it divides) is cut into; at least "
+        "`size` for 1f1b and the interleaved schedules",
+    )
+    stages_per_rank: int = option(
+        0,
+        check=NON_NEGATIVE,
+        doc="stages each rank holds (0: 2 for the interleaved schedules and zero_bubble, else "
+        "1); the model's blocks are cut into size x stages_per_rank stages",
+    )
+
+    @property
+    def local_stages(self) -> int:
+        if self.stages_per_rank:
+            return self.stages_per_rank
+        return 2 if self.schedule in ("interleaved_1f1b", "zero_bubble") else 1
+
+
 @dataclass(frozen=True)
 class ReplicasConfig:
     """Replica groups that train on when one is lost and heal it from a live peer (torchft): see
@@ -131,4 +172,5 @@ class ParallelConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pp: PipelineConfig = field(default_factory=PipelineConfig)
     replicas: ReplicasConfig = field(default_factory=ReplicasConfig)

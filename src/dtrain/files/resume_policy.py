@@ -22,12 +22,14 @@ NOT_TRAINING = (
     "log.",
     "ckpt.",
     "dist.",
-    # How the ranks hold the model (DDP, FSDP, tensor parallelism) is not what they train: a
-    # checkpoint of one layout resumes under another (its batch: `effective_batch_kept`).
+    # How the ranks hold the model (DDP, FSDP, tensor and pipeline parallelism) is not what
+    # they train: a checkpoint of one layout resumes under another (its batch:
+    # `effective_batch_kept`).
     "parallel.mode",
     "parallel.ddp.",
     "parallel.fsdp.",
     "parallel.tp.",
+    "parallel.pp.",
     # Replica groups train what one run over their ranks trains: a resume may add or drop them.
     "parallel.replicas.",
     "slurm.",
@@ -100,9 +102,11 @@ def effective_batch_kept(saved: dict, saved_world: int, current: dict, world: in
     own x accumulation), so that a change of BATCH_KEYS only follows the layout."""
 
     def per_step(cfg: dict, ranks: int) -> int:
-        tp = cfg.get("parallel", {}).get("tp", {}).get("size", 1)
+        parallel = cfg.get("parallel", {})
+        # (ranks of a tp group or a pipeline read one batch between them)
+        group = parallel.get("tp", {}).get("size", 1) * parallel.get("pp", {}).get("size", 1)
         batch, accum = cfg.get("data", {}).get("batch_size"), cfg.get("train", {}).get("grad_accum")
-        return batch * (ranks // tp) * accum if batch and accum and tp else -1
+        return batch * (ranks // group) * accum if batch and accum and group else -1
 
     return per_step(saved, saved_world) == per_step(current, world) > 0
 

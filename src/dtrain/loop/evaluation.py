@@ -24,11 +24,13 @@ def evaluate(
     device: torch.device,
     to_device: Callable[[Any], Any],
     autocast: Callable[[], contextlib.AbstractContextManager],
+    counts: bool = True,
 ) -> dict[str, float]:
     """The task's metrics over `batches` (this rank's share of the validation set, padded by
     its sampler to an equal count on every rank) as `val_<name>`: the first `valid_count`
-    samples count, the padding beyond does not. Identical on every rank (one all-reduce of all
-    the sums). Leaves the model in eval mode."""
+    samples count, the padding beyond does not; none of them where not `counts` (a pipeline's
+    ranks before its last stage, whose model gives no logits of its own). Identical on every
+    rank (one all-reduce of all the sums). Leaves the model in eval mode."""
     model.eval()
     names: list[str] = []
     sums: torch.Tensor | None = None  # one per metric, then the count of samples
@@ -42,6 +44,8 @@ def evaluate(
             sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)
         size = batch_size(batch)
         valid = torch.arange(position, position + size, device=device) < valid_count
+        if not counts:
+            valid = torch.zeros_like(valid)
         position += size
         for i, name in enumerate(names):
             sums[i] += torch.where(valid, values[name].double(), 0.0).sum()

@@ -13,6 +13,7 @@ from torch import nn
 from dtrain.process import compat
 
 if TYPE_CHECKING:
+    from dtrain.parallel import Pipe
     from dtrain.parallel.precision import Precision
 
 
@@ -59,9 +60,13 @@ class Check:
     for them costs more than a tiny model's optimizer step."""
 
     def __init__(
-        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, device: torch.device
+        self,
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        pipe: Pipe | None = None,
     ) -> None:
-        self.params, self.optimizer = params, optimizer
+        self.params, self.optimizer, self.pipe = params, optimizer, pipe
         self.one = torch.ones((), dtype=torch.float32, device=device)
         self.one_kind: bool | None = None  # the gradients' kind, seen at the first step
         self.device = device
@@ -77,6 +82,8 @@ class Check:
         grads = [g for p in self.params if (g := p.grad) is not None]
         if self.one_kind is None:  # the gradients' kind does not change during a run
             self.one_kind = one_kind(grads)
+        if self.pipe is not None:
+            return self._over_stages(max_norm)
         if max_norm is None and not precision.scaled and self.one_kind:
             # Plain tensors (no shards; DDP averaged them: every rank sees the same): one fused
             # pass finds a non-finite gradient, and the dearer norm waits for a check to want it.
@@ -93,4 +100,22 @@ class Check:
         if precision.scaled:
             return torch.zeros((), device=self.device), norm
         # The norm is global (reduced over FSDP's shards): every rank reaches the same verdict.
+        return (~torch.isfinite(norm)).float(), norm
+
+    def _over_stages(self, max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pipeline's stages each hold some of the weights: the norm of the whole is reduced
+        over them (each weight counted once), and clipping scales every rank's gradients by the
+        same factor, as torch's clip_grad_norm_ computes it."""
+        assert self.pipe is not None
+        counted = [g for p in self.pipe.counted(self.params) if (g := p.grad) is not None]
+        local = total_norm(counted, bool(self.one_kind))
+        if hasattr(local, "full_tensor"):  # (FSDP's or tp's shards of this rank's stages)
+            local = local.full_tensor()
+        norm = self.pipe.total_norm(local)
+        if max_norm is not None:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for param in self.params:
+                grad = param.grad
+                if grad is not None:
+                    (grad.to_local() if hasattr(grad, "to_local") else grad).mul_(coef)
         return (~torch.isfinite(norm)).float(), norm

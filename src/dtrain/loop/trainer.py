@@ -10,14 +10,14 @@ early stopping, the EMA weights), and everything else that may run between steps
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from dtrain import parallel
 from dtrain.config import TrainConfig
@@ -28,11 +28,12 @@ from dtrain.loop import evaluation, grads
 from dtrain.loop.components import Callbacks, Feed, Learner, Observers
 from dtrain.loop.early_stop import EarlyStop
 from dtrain.loop.ema import SUFFIX, EmaWeights
+from dtrain.loop.micro_batches import MicroBatches
 from dtrain.loop.saving import Saving
 from dtrain.loop.state import Pending, StepTimes, TrainState, Window
 from dtrain.observe import log, memory_stats
 from dtrain.parallel.replicas import Groups
-from dtrain.process import compat, dist
+from dtrain.process import compat
 from dtrain.process.layout import Layout
 
 
@@ -62,8 +63,6 @@ class Trainer:
         self.early_stop, self.ema = early_stop, ema
         self.observers, self.callbacks = observers, callbacks
         self.model, self.task = learner.model, learner.task
-        # A task that may count only some targets (tasks.py): see _train_step.
-        self.counted = getattr(learner.task, "counted", None)
         self.device, self.accum = layout.device, layout.grad_accum
         self.samples_per_step = layout.effective_batch
         # An optimizer that takes `found_inf` skips a non-finite step on the device itself
@@ -71,7 +70,13 @@ class Trainer:
         optimizer = learner.optimizer
         self.masked_step = not learner.precision.scaled and compat.masked_step_supported(optimizer)
         self.pending = Pending(self.device)
-        self.check_gradients = grads.Check(list(self.model.parameters()), optimizer, self.device)
+        # A pipeline's steps run through its schedule (parallel.pp), with the task's loss.
+        self.pipe = parallel.pipeline_of(self.model)
+        if self.pipe is not None:
+            self.pipe.use_task(self.task)
+        self.micro_batches = MicroBatches(learner, layout)
+        params = list(self.model.parameters())
+        self.check_gradients = grads.Check(params, optimizer, self.device, self.pipe)
         self.window = Window()
         self.stop_requested: str | None = None
         self._first_step_done = False
@@ -217,8 +222,7 @@ class Trainer:
         if not model.training:
             model.train()
         self.learner.schedule.apply(self.state.step)
-        step_loss: torch.Tensor | None = None
-        data_wait = exchange = 0.0
+        data_wait = 0.0
 
         def fetch() -> Any:
             nonlocal data_wait
@@ -228,30 +232,16 @@ class Trainer:
             data_wait += time.perf_counter() - waited
             return self._to_device(batch)
 
-        fetched, over = [fetch()], None
-        if self.counted is not None and self.counted(fetched[0]) is not None:
-            # A loss over the targets a mask counts: the step's micro-batches are fetched
-            # first, and each one's loss divided by what they count on every rank together.
-            fetched += [fetch() for _ in range(accum - 1)]
-            over = self._counted_per_rank(fetched)
-        for micro in range(accum):
-            batch = fetched[micro] if micro < len(fetched) else fetch()
-            where.phase = "forward/backward"
-            last = micro == accum - 1
-            with self._gradient_sync(last), precision.autocast():
-                if over is not None:
-                    loss = self.task.loss(model, batch, over)  # type: ignore[call-arg]
-                else:
-                    loss = self.task.loss(model, batch)
-                    if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
-                        loss = loss / accum
-            backward_began = time.perf_counter()
-            precision.backward(loss)
-            # The last backward exchanges the gradients: the ranks wait there for the slowest.
-            exchange = time.perf_counter() - backward_began
-            # The first micro-batch's loss as it is (0 + x is x), the others added to it.
-            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-        assert step_loss is not None  # grad_accum >= 1
+        if self.pipe is not None:  # the step's micro-batches through the stages at once
+            fetched = [fetch() for _ in range(accum)]
+            where.phase = "pipeline"
+            began = time.perf_counter()
+            with precision.autocast():
+                step_loss = self.pipe.train(fetched)
+            # The stages wait for each other throughout: the whole schedule counts as exchange.
+            exchange = time.perf_counter() - began
+        else:
+            step_loss, exchange = self.micro_batches.forward_backward(fetch, where)
         where.phase = "replica groups"
         if not self._taken_by_every_group(last_in_epoch):
             return None
@@ -344,39 +334,25 @@ class Trainer:
                 f"{train.max_consecutive_skips}; stopping"
             )
 
-    def _counted_per_rank(self, batches: list[Any]) -> torch.Tensor | None:
-        """The targets a step's micro-batches count on every rank together, over the world
-        size: what each micro-batch's summed loss is divided by, since DDP and FSDP average the
-        gradients over the ranks. None where the batches count every target."""
-        assert self.counted is not None
-        counts = [self.counted(batch) for batch in batches]
-        if any(c is None for c in counts):
-            return None
-        total = dist.all_reduce_sum(torch.stack(counts).sum().float())  # (a new tensor)
-        return total.clamp(min=1.0) / dist.world_size()
-
     def _to_device(self, batch: Any) -> Any:
         return self.feed.to_device(batch, self.device)
-
-    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Synchronise gradients only on the last micro-batch of an accumulated step."""
-        if self.accum == 1:
-            return parallel.NOTHING
-        return parallel.gradient_sync(self.layout, self.model, sync)
 
     # -----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Validation metrics (`val_<name>`) of the weights the model holds, then callbacks'."""
         self.learner.consistent_buffers()
         loaders = self.feed.loaders
+        # A pipeline's stages run one after another; only its last stage's ranks count metrics.
+        model = parallel.runnable(self.model)
         metrics = evaluation.evaluate(
-            self.model,
+            cast(nn.Module, model),
             self.task,
             loaders.val,
             loaders.val_sampler.valid_count,
             self.device,
             self._to_device,
             self.learner.precision.autocast,
+            counts=getattr(model, "counts", True),
         )
         for more in self.callbacks.evaluation_metrics:
             metrics.update(more())

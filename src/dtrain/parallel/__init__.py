@@ -1,7 +1,8 @@
 """How the model is spread over the ranks: the parallel strategy (none, DDP, FSDP, HSDP) that
 lays the ranks out, builds and wraps the model and answers what differs between the modes in the
 loop and in `dtrain plan`; tensor parallelism over a device mesh with the data dimensions
-(`tensor`: its strategy, the plans that split a model, their styles); the blocks FSDP shards,
+(`tensor`: its strategy, the plans that split a model, their styles) and pipeline stages over
+the same mesh (`pipeline`: the cut, the schedules); the blocks FSDP shards,
 BatchNorm across ranks, shard-by-shard construction (`sharded_init`), the run's numeric
 precision (`precision`), and the replica groups that step on when one is lost (`replicas`, torchft).
 
@@ -19,6 +20,15 @@ from torch import nn
 from dtrain.config import ParallelConfig
 from dtrain.parallel.batchnorm import average_buffers
 from dtrain.parallel.blocks import find_blocks
+from dtrain.parallel.pipe import Evaluator, Pipe
+from dtrain.parallel.pipeline import (
+    Pipeline,
+    StageModel,
+    bubble,
+    check_cut,
+    held_names,
+    in_flight,
+)
 from dtrain.parallel.strategies import (
     BY_MODE,
     DDP,
@@ -38,23 +48,34 @@ from dtrain.process.layout import Layout, Mesh
 __all__ = [
     "NOTHING",
     "Counted",
+    "Evaluator",
+    "Pipe",
     "Strategy",
     "average_buffers",
+    "bubble",
+    "check_cut",
+    "held_names",
+    "in_flight",
     "configured",
     "counted",
     "find_blocks",
     "for_world_size",
     "gradient_sync",
     "mesh",
+    "pipeline_of",
+    "runnable",
     "reshard",
     "split_names",
     "strategy",
     "unwrap",
+    "whole_shapes",
 ]
 
 
 def configured(cfg: ParallelConfig) -> type[Strategy]:
     """The strategy the section asks for."""
+    if cfg.pp.size > 1:
+        return Pipeline
     if cfg.tp.size > 1:
         return TensorParallel
     if cfg.mode == "fsdp" and cfg.fsdp.hybrid_replicas > 1:
@@ -101,3 +122,21 @@ def gradient_sync(
     synchronised only with `sync`."""
     chosen = TensorParallel if layout.tp > 1 else BY_MODE[layout.mode]
     return chosen.gradient_sync(model, sync)
+
+
+def pipeline_of(model: nn.Module) -> Pipe | None:
+    """The stages and schedule of a pipeline-parallel run's model (None for any other): its
+    steps run through them, not through the model's forward."""
+    return model.pipe if isinstance(model, StageModel) else None
+
+
+def runnable(model: nn.Module) -> nn.Module | Evaluator:
+    """What the task calls as the model outside training steps (the start-up check, evaluation):
+    the model itself, or a pipeline's stages one after another."""
+    return model.pipe.evaluator(model) if isinstance(model, StageModel) else model
+
+
+def whole_shapes(model: nn.Module) -> dict[str, tuple] | None:
+    """The names and full shapes of the whole model where this rank holds a pipeline stage's
+    part of it (what a checkpoint of any layout holds), else None."""
+    return model.whole_shapes if isinstance(model, StageModel) else None

@@ -36,6 +36,9 @@ class Mesh:
     # Ranks each block's weights are split over (tensor parallelism; 1: none). They are the
     # innermost dimension of the mesh: ranks tp*d .. tp*d + tp - 1 hold data rank d's batch.
     tp: int = 1
+    # Ranks a pipeline's stages are spread over (1: none): the outermost dimension, so that
+    # rank r is stage rank r // (world / pp), and data rank (r // tp) % data_ranks.
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Layout:
     grad_accum: int
     checkpoint_format: str  # "full" | "sharded"
     tp: int = 1  # ranks that split each block's weights and read the same batch
+    pp: int = 1  # ranks a pipeline's stages are spread over (they read the same batch)
 
     @property
     def world_size(self) -> int:
@@ -68,13 +72,14 @@ class Layout:
 
     @property
     def data_ranks(self) -> int:
-        """The ranks that read batches of their own: one per tensor-parallel group."""
-        return self.env.world_size // self.tp
+        """The ranks that read batches of their own: one per tensor-parallel group and
+        pipeline."""
+        return self.env.world_size // (self.tp * self.pp)
 
     @property
     def data_rank(self) -> int:
         """This rank's place among the `data_ranks` (the sampler's rank, the loader's seed)."""
-        return self.env.rank // self.tp
+        return (self.env.rank // self.tp) % self.data_ranks
 
     @property
     def num_nodes(self) -> int:
@@ -104,7 +109,10 @@ class Layout:
         ranks = f"{self.world_size} rank(s)"
         if self.tp > 1:  # a tp group reads one batch between its ranks
             ranks = f"{self.data_ranks} tp group(s) of {self.tp} ranks"
-        return f"{self.batch_size} per {'group' if self.tp > 1 else 'rank'} x {ranks} x " + (
+        if self.pp > 1:  # so does a pipeline, its first stage's ranks
+            ranks = f"{self.data_ranks} pipeline(s) of {self.pp * self.tp} ranks"
+        grouped = self.tp > 1 or self.pp > 1
+        return f"{self.batch_size} per {'group' if grouped else 'rank'} x {ranks} x " + (
             f"{self.grad_accum} accumulation"
         )
 
@@ -168,4 +176,5 @@ def resolve(
         if checkpoint_format == "auto"
         else checkpoint_format,
         tp=mesh.tp,
+        pp=mesh.pp,
     )

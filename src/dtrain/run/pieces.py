@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -171,7 +171,8 @@ def _model_and_task(
     if described:
         notes.append(described)
     clock.mark("model and wrap")
-    _check_task(cfg, layout, task, wrapped, precision, val_loader, datasets.on_device)
+    runnable = cast(nn.Module, parallel.runnable(wrapped))
+    _check_task(cfg, layout, task, runnable, precision, val_loader, datasets.on_device)
     strategy.settle(wrapped)
     return task, wrapped, precision, num_params
 

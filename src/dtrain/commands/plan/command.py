@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import tasks
+from dtrain import parallel, tasks
 from dtrain.commands.plan import facts as plan_facts
 from dtrain.commands.plan import footprint
 from dtrain.commands.plan.footprint import activation_bytes, checkpoint_size, state_bytes
@@ -224,7 +224,7 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
         activation_note=note,
         warnings=facts.warnings,
     )
-    if layout.tp > 1:
+    if layout.tp > 1 or layout.pp > 1:
         plan.mesh_lines = _mesh_lines(facts, cfg)
     too_big = _too_big(plan)
     if too_big:
@@ -233,33 +233,60 @@ def estimate(cfg: Config, nproc: int | None = None, nnodes: int = 1) -> Plan:
 
 
 def _mesh_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
-    """The device mesh, each rank's place on it, and what a rank holds of the model's state."""
+    """The device mesh, each rank's place on it, what a rank holds of the model's state, and
+    under pipeline parallelism the micro-batches in flight and the schedule's bubble."""
     layout, split = facts.layout, facts.tp_split
-    dims = (layout.replicas, layout.shards, layout.tp)
-    places = [
-        f"{r}:({r // layout.tp // layout.shards},{r // layout.tp % layout.shards},{r % layout.tp})"
-        for r in range(layout.world_size)
-    ]
+    pp, tp, shards = layout.pp, layout.tp, layout.shards
+    per_stage = layout.world_size // pp
+
+    def place(r: int) -> str:
+        inner = f"{r % per_stage // tp // shards},{r % per_stage // tp % shards},{r % tp}"
+        return f"{r}:({r // per_stage},{inner})" if pp > 1 else f"{r}:({inner})"
+
+    places = [place(r) for r in range(layout.world_size)]
     shown = places if len(places) <= 16 else [*places[:8], "...", *places[-4:]]
+    dims = f"dp_replicate {layout.replicas} x dp_shard {shards} x tp {tp}"
+    reader = "a pipeline reads one batch" if pp > 1 else "a tp group reads one batch"
     lines = [
-        f"  mesh        dp_replicate {dims[0]} x dp_shard {dims[1]} x tp {dims[2]} = "
-        f"{layout.world_size} rank(s); a tp group reads one batch",
-        f"              rank:(dp_replicate,dp_shard,tp) {' '.join(shown)}",
+        f"  mesh        {f'pp {pp} x ' if pp > 1 else ''}{dims} = {layout.world_size} rank(s); "
+        f"{reader}",
+        f"              rank:({'pp,' if pp > 1 else ''}dp_replicate,dp_shard,tp) {' '.join(shown)}",
     ]
+    if pp > 1:
+        lines += _pipeline_lines(facts, cfg)
     if split is None:
         return [
             *lines,
             "              the state per rank: a user's plan (parallel.tp.plan) is "
             "applied by the run alone; the table below does not count its split",
         ]
-    state = state_bytes(facts.model, cfg, layout.shards, split=split, tp=layout.tp)
+    held: list[dict[str, int] | None] = [*facts.pp_held] if facts.pp_held else [None]
+    states = [state_bytes(facts.model, cfg, shards, split=split, tp=tp, held=h) for h in held]
+    state = max(states, key=lambda s: s["total"])
+    where = "" if pp == 1 else f" (stage rank {states.index(state)}, the largest)"
     count = sum(p.numel() for n, p in facts.model.named_parameters() if n in split)
+    over = f"{count / 1e6:.3f} M parameters split over tp, the rest replicated in each group; "
     return [
         *lines,
-        f"              the state per rank: params {size_text(state['params'])}, grads "
+        f"              the state per rank{where}: params {size_text(state['params'])}, grads "
         f"{size_text(state['grads'])}, optimizer {size_text(state['optimizer'])} "
-        f"({count / 1e6:.3f} M parameters split over tp, the rest replicated in each group; "
-        f"then over {layout.shards} data shard(s))",
+        f"({over if tp > 1 else ''}then over {shards} data shard(s))",
+    ]
+
+
+def _pipeline_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
+    """A pipeline's cut, its micro-batches in flight and its schedule's bubble."""
+    pp_cfg, layout = cfg.parallel.pp, facts.layout
+    micro = pp_cfg.microbatches * layout.grad_accum
+    stages = layout.pp * pp_cfg.local_stages
+    flight = parallel.in_flight(pp_cfg, layout.pp, micro)
+    bubble = parallel.bubble(pp_cfg.schedule, layout.pp, micro, pp_cfg.local_stages)
+    return [
+        f"  pipeline    {stages} stages of the {len(facts.blocks)} blocks ({pp_cfg.local_stages} "
+        f"per rank), schedule {pp_cfg.schedule}, {micro} micro-batches of "
+        f"{layout.batch_size * layout.grad_accum // micro} a step",
+        f"              activations of up to {flight} micro-batch(es) in flight on a stage rank; "
+        f"bubble {bubble:.1%} of a step",
     ]
 
 

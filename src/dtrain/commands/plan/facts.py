@@ -41,6 +41,8 @@ class ModelFacts:
     # Under tensor parallelism: the parameters its plan splits (None: a user's plan function,
     # which only a run applies); an empty set without it.
     tp_split: set[str] | None = None
+    # Under pipeline parallelism: each stage rank's parameters, with the copies it holds.
+    pp_held: list[dict[str, int]] | None = None
 
     @property
     def shards(self) -> int:
@@ -61,6 +63,10 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     tp = cfg.parallel.tp
     # The plan's own refusals (no plan, a size it does not divide) before any process group.
     tp_split = parallel.split_names(model, tp, cfg.model.name) if tp.size > 1 else set()
+    pp, pp_held = cfg.parallel.pp, None
+    if pp.size > 1:  # the cut's own refusals, likewise
+        parallel.check_cut(model, pp, pp.size, cfg.model.name)
+        pp_held = parallel.held_names(model, pp, pp.size)
     return ModelFacts(
         layout=layout,
         counted=counted,
@@ -76,6 +82,7 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
         largest_block=max((param_bytes([b]) for b in blocks), default=0),
         root_bytes=param_bytes([model]) - block_bytes,
         tp_split=tp_split,
+        pp_held=pp_held,
     )
 
 

@@ -62,17 +62,23 @@ def state_bytes(
     rank: int = 0,
     split: Collection[str] = (),
     tp: int = 1,
+    held: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """The bytes `run.state_bytes` measures after the first step, computed from shapes:
     params, grads, optimizer (the EMA weights included) and their total for `rank` of `shards`,
-    and 'unsharded'. The parameters named in `split` are split over `tp` ranks besides."""
+    and 'unsharded'. The parameters named in `split` are split over `tp` ranks besides; with
+    `held` (a pipeline stage rank's), only the parameters it names, as many times as it says."""
     state = optimizer_state(cfg)
     slots, adam = state.slots + ema_copies(cfg), state.step
     totals = {"params": 0, "grads": 0, "optimizer": 0, "unsharded": 0}
     for name, p in model.named_parameters():
+        copies = 1 if held is None else held.get(name, 0)
+        if not copies:
+            continue
         local, full = _local_bytes(p, shards, rank), p.numel() * p.element_size()
         if name in split:
             local //= tp
+        local, full = local * copies, full * copies
         totals["params"] += local
         totals["unsharded"] += full
         if not p.requires_grad:
