@@ -1,8 +1,8 @@
 """Tensor parallelism (`parallel.tp`) on a device mesh with the data dimensions: real 4-rank
 torchrun launches on gloo. dp 2 x tp 2 trains as DDP on 4 ranks does with the same global batch;
 its checkpoint (DCP) resumes onto other layouts (DDP, one process, tp 4, FSDP x tp) at the same
-sample, onto its own layout bitwise after a kill -9; a Hugging Face model splits by its own
-plan; verify, convert, export, eval and generate read the checkpoint; layouts that cannot work
+sample (FSDP x tp with sequence parallelism too), onto its own layout bitwise after a kill -9;
+a Hugging Face model splits by its own plan; verify, convert, export, eval and generate read the checkpoint; layouts that cannot work
 are one line and exit 2 before any process group."""
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def test_dp2_tp2_trains_as_ddp_on_four_ranks(runs) -> None:
     ("ddp4", 4, DDP4),
     ("one_process", 0, ["data.batch_size=16"]),
     ("tp4", 4, ["data.batch_size=16", "parallel.tp.size=4"]),
-    ("fsdp_x_tp", 4, [*TP2, "parallel.mode=fsdp"]),  # dp_shard 2 x tp 2
+    # dp_shard 2 x tp 2, the norms and residual stream split by sequence
+    ("fsdp_x_tp_sequence", 4, [*TP2, "parallel.mode=fsdp", "parallel.tp.sequence_parallel=true"]),
 ])
 def test_a_tp_checkpoint_resumes_onto_another_layout_at_the_same_sample(runs, tmp_path, name,
                                                                           nproc, extra) -> None:
@@ -190,6 +191,12 @@ def test_a_hugging_face_model_splits_by_its_own_plan(tmp_path) -> None:
      "set parallel.tp.size=1"),
     (4, ["parallel.tp.size=2", "parallel.mode=fsdp", "parallel.fsdp.hybrid_replicas=3"],
      "parallel.fsdp.hybrid_replicas: 3 does not divide the 2 data ranks (4 ranks / tp 2)"),
+    (4, ["parallel.tp.sequence_parallel=true"],
+     "parallel.tp.sequence_parallel splits activations over the tp group, and parallel.tp.size "
+     "is 1"),
+    (4, ["parallel.tp.size=2", "parallel.tp.sequence_parallel=true", "parallel.tp.plan=os:getcwd"],
+     "parallel.tp.sequence_parallel: dtrain splits the built-in gpt by sequence, not model gpt "
+     "with its plan"),
 ])
 def test_a_layout_that_cannot_work_is_one_line_before_any_process_group(nproc, extra, line,
                                                                         capsys) -> None:
@@ -199,13 +206,18 @@ def test_a_layout_that_cannot_work_is_one_line_before_any_process_group(nproc, e
     assert code == 2 and len(err) == 1 and err[0].startswith(f"dtrain: config error: {line}"), err
 
 
-def test_a_launch_refuses_a_tp_that_does_not_divide_its_ranks(tmp_path) -> None:
+@pytest.mark.parametrize("nproc, extra, line", [
+    (2, ["parallel.tp.size=4"], "parallel.tp.size: 4 does not divide the world size 2"),
+    # known only once a window reaches the model: its first forward
+    (4, [*TP2, "parallel.tp.sequence_parallel=true", "data.text.seq_len=33"],
+     "parallel.tp.sequence_parallel: a window of 33 tokens does not split over tp 2; choose a "
+     "data seq_len that 2 divides"),
+])
+def test_a_launch_refuses_a_split_that_does_not_divide(tmp_path, nproc, extra, line) -> None:
     """Every rank exits 2 with the line (torchrun reports its workers' code), nothing written."""
-    result = launch(tmp_path / "runs" / "bad", [*GPT, "parallel.tp.size=4", "train.max_steps=1"],
-                    nproc=2)
+    result = launch(tmp_path / "runs" / "bad", [*GPT, *extra, "train.max_steps=1"], nproc=nproc)
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr
-    assert ("dtrain: config error: parallel.tp.size: 4 does not divide the world size 2"
-            in result.stderr)
+    assert f"dtrain: config error: {line}" in result.stderr
     assert not (tmp_path / "runs" / "bad" / "checkpoints").exists()
 
 

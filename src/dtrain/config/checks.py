@@ -177,6 +177,11 @@ def _check_replicas(parallel: ParallelConfig) -> None:
 def _check_tensor_parallel(cfg: Config) -> None:
     """What tensor parallelism does not compose with yet: one line each, before any launch."""
     if cfg.parallel.tp.size == 1:
+        if cfg.parallel.tp.sequence_parallel:
+            raise UserError(
+                "config error: parallel.tp.sequence_parallel splits activations over the tp "
+                "group, and parallel.tp.size is 1; set parallel.tp.size > 1 or drop it"
+            )
         return
     refused = {
         "model.lora": cfg.model.lora.r is not None,
@@ -208,6 +213,7 @@ def _check_pipeline(cfg: Config) -> None:
         "parallel.replicas": cfg.parallel.replicas.groups > 0,
         "model.compile": cfg.model.compile,
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+        "parallel.tp.sequence_parallel": cfg.parallel.tp.sequence_parallel,
     }
     for key, on in refused.items():
         if on:

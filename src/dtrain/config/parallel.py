@@ -69,6 +69,11 @@ class TensorParallelConfig:
         "else an import path `module:function` called as function(model, mesh) that "
         "parallelizes the model in place",
     )
+    sequence_parallel: bool = option(
+        False,
+        doc="the built-in gpt's norms and residual stream split by sequence over the tp group "
+        "(activations 1/tp of their size between the blocks' splits; the same arithmetic)",
+    )
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")

@@ -186,10 +186,12 @@ class SelfAttention(nn.Module):
         """With `mask` (bool, True where a query may see a key), that mask replaces causality.
         With `cache` (generation), `x` follows the tokens whose keys and values it holds: they
         join them, and each query sees them all and the new tokens up to its own."""
-        batch, tokens, _ = x.shape
-        # The heads are counted from the projection's width, not fixed: under tensor
-        # parallelism this rank's projection holds its own heads only (parallel/tensor.py).
-        qkv = self.qkv(x).view(batch, tokens, 3, -1, self.head_dim)
+        # The heads are counted from the projection's width, and the tokens from its output,
+        # not from x: under tensor parallelism this rank's projection holds its own heads only,
+        # and with sequence parallelism x its part of the sequence (parallel/tensor.py).
+        qkv = self.qkv(x)
+        batch, tokens = qkv.shape[:2]
+        qkv = qkv.view(batch, tokens, 3, -1, self.head_dim)
         q, k, v = qkv.unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = self.causal and mask is None

@@ -24,11 +24,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -207,8 +208,8 @@ class FusedColwise(ColwiseParallel):
     weight is split by rows as ColwiseParallel splits it (its checkpoint is that of any other
     layout), and the output regrouped so that each rank holds its columns of every part."""
 
-    def __init__(self, parts: int) -> None:
-        super().__init__()
+    def __init__(self, parts: int, **layouts: Any) -> None:
+        super().__init__(**layouts)
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
@@ -272,6 +273,48 @@ GPT_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "blocks.*.mlp.2": RowwiseParallel,
 }
 
+
+def _shard_sequence(module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    """The embeddings' sum (whole on every rank) cut to this rank's part of the sequence: a
+    slice forward, an all-gather of the gradients backward (DTensor's redistribution)."""
+    mesh = cast(Any, module).sequence_mesh
+    size = mesh.size()
+    if out.shape[1] % size:
+        raise UserError(
+            f"config error: parallel.tp.sequence_parallel: a window of {out.shape[1]} tokens "
+            f"does not split over tp {size}; choose a data seq_len that {size} divides"
+        )
+    whole = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(1)]).to_local()
+
+
+class SequenceEntry(ParallelStyle):
+    """Where the sequence-split residual stream begins (the dropout after the embeddings)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        cast(Any, module).sequence_mesh = device_mesh
+        module.register_forward_hook(_shard_sequence)
+        return module
+
+
+# With parallel.tp.sequence_parallel (Megatron's sequence parallelism): between the splits of
+# each block the activations are cut by sequence, not repeated on every rank. The norms work on
+# their part of the sequence (their weights replicated, their gradients summed over the group);
+# a split's input is all-gathered by sequence and a row split's output reduce-scattered to it.
+_SEQUENCE = Shard(1)
+GPT_SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    **GPT_STYLES,
+    "drop": SequenceEntry,
+    "blocks.*.norm1": SequenceParallel,
+    "blocks.*.norm2": SequenceParallel,
+    "norm": SequenceParallel,
+    "blocks.*.attn.qkv": functools.partial(FusedColwise, 3, input_layouts=_SEQUENCE),
+    "blocks.*.attn.proj": functools.partial(RowwiseParallel, output_layouts=_SEQUENCE),
+    "blocks.*.mlp.0": functools.partial(ColwiseParallel, input_layouts=_SEQUENCE),
+    "blocks.*.mlp.2": functools.partial(RowwiseParallel, output_layouts=_SEQUENCE),
+    "head": functools.partial(ColwiseParallel, input_layouts=_SEQUENCE, output_layouts=Replicate()),
+}
+
 # The styles of a Hugging Face model's `base_model_tp_plan` that dtrain applies.
 HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -302,10 +345,16 @@ def plan_of(model: nn.Module, cfg: TensorParallelConfig, model_name: str) -> Pla
     with none is refused in one line."""
     from dtrain.models import GPT  # (models import nothing of parallel)
 
+    if cfg.sequence_parallel and not (cfg.plan == "auto" and isinstance(model, GPT)):
+        raise UserError(
+            f"config error: parallel.tp.sequence_parallel: dtrain splits the built-in gpt by "
+            f"sequence, not model {model_name} with its plan; drop the option, or apply it in "
+            f"a plan function of your own (parallel.tp.plan=module:function)"
+        )
     if cfg.plan != "auto":
         return load_callable(cfg.plan, "parallel.tp.plan")
     if isinstance(model, GPT):
-        return Styles(GPT_STYLES)
+        return Styles(GPT_SEQUENCE_STYLES if cfg.sequence_parallel else GPT_STYLES)
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
         return hf_styles(model)
     raise UserError(
