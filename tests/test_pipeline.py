@@ -2,7 +2,8 @@
 real torchrun launches on gloo. pp 2 x dp 2 (1F1B, 4 micro-batches) trains as DDP on 4 ranks
 does with the same global batch, and so do the other schedules and pp 2 x tp 2 x dp 2 on 8
 ranks; its checkpoint (DCP) resumes onto other layouts at the same sample, and a DDP checkpoint
-onto it; a kill -9 and a relaunch continue bit for bit; layouts that cannot work are one line
+onto it; a kill -9 and a relaunch continue bit for bit; verify, convert, export, eval and
+generate read it as one model; layouts that cannot work are one line
 and exit 2 before any process group."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import dtrain, kill_when, latest, launch, saved_step, start
 from test_tensor_parallel import _close, _losses
 
@@ -139,10 +141,25 @@ def test_kill_9_then_the_same_layout_continues_bitwise(runs, tmp_path) -> None:
     assert all(resumed[s] == whole[s] for s in range(killed_at + 1, 31)), (resumed, whole)
 
 
-def test_the_checkpoint_reads_back_whole(runs) -> None:
-    """verify; eval on one process gives the run's own final val_loss from its stages' parts;
-    generate runs the whole model."""
-    assert dtrain("verify", str(latest(runs["pp2"]))).returncode == 0
+def test_the_checkpoint_reads_back_whole(runs, tmp_path) -> None:
+    """verify; convert to one file and export hold the whole model (every block, the full
+    shapes, the same weights); eval on one process gives the run's own final val_loss from its
+    stages' parts; generate runs the whole model."""
+    checkpoint = latest(runs["pp2"])
+    assert dtrain("verify", str(checkpoint)).returncode == 0
+    converted = dtrain("convert", "--checkpoint", str(checkpoint), "--to", "full", "--out",
+                       str(tmp_path / "one"))
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    whole = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    assert {f"blocks.{i}.attn.qkv.weight" for i in range(4)} <= whole.keys()
+    assert whole["tok_emb.weight"].shape == (256, 32) and "norm.weight" in whole
+    exported = dtrain("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "w"),
+                      "--format", "safetensors")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    from safetensors.torch import load_file
+    weights = load_file(str(tmp_path / "w" / "model.safetensors"))
+    assert weights.keys() == whole.keys()
+    assert all(torch.equal(weights[k], whole[k]) for k in weights)
     final = [r for r in map(json.loads, (runs["pp2"] / "metrics.jsonl").read_text().splitlines())
              if "val_loss" in r][-1]
     result = dtrain("eval", str(runs["pp2"]))
