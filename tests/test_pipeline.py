@@ -33,7 +33,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pp")
     made = {}
     for name, extra, steps in (("ddp4", [*DDP4, "ckpt.every_steps=30"], 40), ("pp2", PP2, 30)):
-        result = launch(root / name, [*GPT, *extra, f"train.max_steps={steps}"], nproc=4)
+        # Up to 900 s to start: a fresh-clone suite once kept this launch waiting past 300 s
+        # while 2 cores ran the other files' launches (alone it takes 20 s).
+        result = launch(root / name, [*GPT, *extra, f"train.max_steps={steps}",
+                                      "dist.init_timeout_s=900"], nproc=4, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         made[name] = root / name
         (root / f"{name}.stderr").write_text(result.stderr)
