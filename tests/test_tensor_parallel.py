@@ -243,3 +243,12 @@ def test_each_sample_is_read_once_per_epoch_by_the_data_ranks() -> None:
         assert all(all(peer == group[0] for peer in group) for group in groups)
         every = sorted(i for group in groups for i in group[0])
         assert every == list(range(104))
+
+
+def test_plan_counts_sequence_parallel_norms_as_replicated(capsys) -> None:
+    """Sequence parallelism splits activations, not weights: plan's state per rank is the same."""
+    lines = []
+    for extra in ([], ["parallel.tp.sequence_parallel=true"]):
+        assert cli.main(["plan", "--nproc", "4", *GPT, *TP2, *extra]) == 0
+        lines.append([l for l in capsys.readouterr().out.splitlines() if "state per rank" in l])
+    assert lines[0] and lines[0] == lines[1], lines

@@ -258,7 +258,11 @@ class Styles:
         """Whether the parameter `name` of the whole model is split (not replicated)."""
         module = name.rpartition(".")[0]
         prefix = f"{self.under}." if self.under else ""
-        return any(fnmatch.fnmatchcase(module, prefix + p) for p in self.styles)
+        return any(
+            fnmatch.fnmatchcase(module, prefix + p)
+            for p, style in self.styles.items()
+            if style not in (SequenceParallel, SequenceEntry)  # these leave weights whole
+        )
 
 
 # The built-in GPT (Megatron's split): attention by heads (the fused qkv regrouped), the MLP's
@@ -274,10 +278,9 @@ GPT_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 
-def _shard_sequence(module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+def _shard_sequence(mesh: Any, _module: nn.Module, _inputs: tuple, out: torch.Tensor) -> Any:
     """The embeddings' sum (whole on every rank) cut to this rank's part of the sequence: a
     slice forward, an all-gather of the gradients backward (DTensor's redistribution)."""
-    mesh = cast(Any, module).sequence_mesh
     size = mesh.size()
     if out.shape[1] % size:
         raise UserError(
@@ -292,8 +295,7 @@ class SequenceEntry(ParallelStyle):
     """Where the sequence-split residual stream begins (the dropout after the embeddings)."""
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        cast(Any, module).sequence_mesh = device_mesh
-        module.register_forward_hook(_shard_sequence)
+        module.register_forward_hook(functools.partial(_shard_sequence, device_mesh))
         return module
 
 
