@@ -186,6 +186,8 @@ def test_the_checkpoint_reads_back_whole(runs, tmp_path) -> None:
     (["parallel.pp.size=2", "model.lora.r=4"], 2, "parallel.pp.size=2 with model.lora"),
     (["parallel.pp.size=2", "parallel.tp.size=2", "parallel.tp.sequence_parallel=true"], 4,
      "parallel.pp.size=2 with parallel.tp.sequence_parallel"),
+    (["parallel.pp.size=2", "parallel.tp.size=2", "parallel.tp.loss_parallel=true"], 4,
+     "parallel.pp.size=2 with parallel.tp.loss_parallel"),
 ])
 def test_layouts_that_cannot_work_are_one_line(extra, nproc, message) -> None:
     """`dtrain plan` refuses each before any process group: one line, exit 2."""

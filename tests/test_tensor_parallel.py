@@ -1,7 +1,7 @@
 """Tensor parallelism (`parallel.tp`) on a device mesh with the data dimensions: real 4-rank
 torchrun launches on gloo. dp 2 x tp 2 trains as DDP on 4 ranks does with the same global batch;
 its checkpoint (DCP) resumes onto other layouts (DDP, one process, tp 4, FSDP x tp) at the same
-sample (FSDP x tp with sequence parallelism too), onto its own layout bitwise after a kill -9;
+sample (tp 4 with loss parallelism, FSDP x tp with sequence and loss parallelism), onto its own layout bitwise after a kill -9;
 a Hugging Face model splits by its own plan; verify, convert, export, eval and generate read the checkpoint; layouts that cannot work
 are one line and exit 2 before any process group."""
 
@@ -76,9 +76,12 @@ def test_dp2_tp2_trains_as_ddp_on_four_ranks(runs) -> None:
 @pytest.mark.parametrize("name, nproc, extra", [
     ("ddp4", 4, DDP4),
     ("one_process", 0, ["data.batch_size=16"]),
-    ("tp4", 4, ["data.batch_size=16", "parallel.tp.size=4"]),
-    # dp_shard 2 x tp 2, the norms and residual stream split by sequence
-    ("fsdp_x_tp_sequence", 4, [*TP2, "parallel.mode=fsdp", "parallel.tp.sequence_parallel=true"]),
+    # tp 4, the cross-entropy on logits split by vocabulary
+    ("tp4_loss_parallel", 4, ["data.batch_size=16", "parallel.tp.size=4",
+                              "parallel.tp.loss_parallel=true"]),
+    # dp_shard 2 x tp 2, the norms and residual stream split by sequence, the loss by vocabulary
+    ("fsdp_x_tp_sequence_loss", 4, [*TP2, "parallel.mode=fsdp", "parallel.tp.sequence_parallel=true",
+                                    "parallel.tp.loss_parallel=true"]),
 ])
 def test_a_tp_checkpoint_resumes_onto_another_layout_at_the_same_sample(runs, tmp_path, name,
                                                                           nproc, extra) -> None:
@@ -197,6 +200,16 @@ def test_a_hugging_face_model_splits_by_its_own_plan(tmp_path) -> None:
     (4, ["parallel.tp.size=2", "parallel.tp.sequence_parallel=true", "parallel.tp.plan=os:getcwd"],
      "parallel.tp.sequence_parallel: dtrain splits the built-in gpt by sequence, not model gpt "
      "with its plan"),
+    (4, ["parallel.tp.loss_parallel=true"],
+     "parallel.tp.loss_parallel splits logits over the tp group, and parallel.tp.size is 1"),
+    (4, ["parallel.tp.size=2", "parallel.tp.loss_parallel=true", "parallel.tp.plan=os:getcwd"],
+     "parallel.tp.loss_parallel: dtrain splits the built-in gpt by vocabulary for its loss, not "
+     "model gpt with its plan"),
+    (4, ["parallel.tp.size=2", "parallel.tp.loss_parallel=true", "model.name=simple_cnn",
+         "model.args={}", "data.name=synthetic", "task.name=classification",
+         "ckpt.monitor=val_acc", "ckpt.monitor_mode=max"],
+     "parallel.tp.loss_parallel: the split logits go to the built-in language_model task's "
+     "cross-entropy, not to task classification; drop the option"),
 ])
 def test_a_layout_that_cannot_work_is_one_line_before_any_process_group(nproc, extra, line,
                                                                         capsys) -> None:

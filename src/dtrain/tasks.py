@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtrain.config import TaskConfig, registry
 from dtrain.config.checks import TASK_METRIC
@@ -107,6 +108,12 @@ def document_positions(starts: torch.Tensor) -> torch.Tensor:
 def _counted(mask: torch.Tensor) -> torch.Tensor:
     """Which tokens a mask counts (its MASK_COUNTED flag; a bool mask counts where it is True)."""
     return mask if mask.dtype == torch.bool else mask & MASK_COUNTED
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss of logits split by vocabulary (`parallel.tp.loss_parallel`: a DTensor, the same on
+    every rank of the tp group) as a plain tensor, as the loop takes a loss."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
@@ -217,9 +224,9 @@ class LanguageModel:
         logits = self._logits(model, inputs, positions)
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if counts is None:
-            return F.cross_entropy(flat_logits, flat_targets)
+            return _plain(F.cross_entropy(flat_logits, flat_targets))
         weights = counts.reshape(-1).float()
-        per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
+        per_token = _plain(F.cross_entropy(flat_logits, flat_targets, reduction="none"))
         # A batch that counts no target gives 0 (and no gradient), not 0 / 0.
         divisor = weights.sum().clamp(min=1.0) if over is None else over
         return (per_token * weights).sum() / divisor

@@ -176,13 +176,20 @@ def _check_replicas(parallel: ParallelConfig) -> None:
 
 def _check_tensor_parallel(cfg: Config) -> None:
     """What tensor parallelism does not compose with yet: one line each, before any launch."""
-    if cfg.parallel.tp.size == 1:
-        if cfg.parallel.tp.sequence_parallel:
-            raise UserError(
-                "config error: parallel.tp.sequence_parallel splits activations over the tp "
-                "group, and parallel.tp.size is 1; set parallel.tp.size > 1 or drop it"
-            )
+    tp = cfg.parallel.tp
+    if tp.size == 1:
+        for option, what in (("sequence_parallel", "activations"), ("loss_parallel", "logits")):
+            if getattr(tp, option):
+                raise UserError(
+                    f"config error: parallel.tp.{option} splits {what} over the tp group, and "
+                    f"parallel.tp.size is 1; set parallel.tp.size > 1 or drop it"
+                )
         return
+    if tp.loss_parallel and cfg.task.name != "language_model":
+        raise UserError(
+            f"config error: parallel.tp.loss_parallel: the split logits go to the built-in "
+            f"language_model task's cross-entropy, not to task {cfg.task.name}; drop the option"
+        )
     refused = {
         "model.lora": cfg.model.lora.r is not None,
         "train.qat": cfg.train.qat.scheme is not None,
@@ -214,6 +221,7 @@ def _check_pipeline(cfg: Config) -> None:
         "model.compile": cfg.model.compile,
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
         "parallel.tp.sequence_parallel": cfg.parallel.tp.sequence_parallel,
+        "parallel.tp.loss_parallel": cfg.parallel.tp.loss_parallel,
     }
     for key, on in refused.items():
         if on:

@@ -74,6 +74,12 @@ class TensorParallelConfig:
         doc="the built-in gpt's norms and residual stream split by sequence over the tp group "
         "(activations 1/tp of their size between the blocks' splits; the same arithmetic)",
     )
+    loss_parallel: bool = option(
+        False,
+        doc="the built-in gpt's logits left split by vocabulary over the tp group in training, "
+        "the language model's cross-entropy computed on the parts (logits 1/tp of their size; "
+        "no all-gather of them)",
+    )
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")

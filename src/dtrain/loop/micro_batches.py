@@ -26,6 +26,8 @@ class MicroBatches:
         self.layout, self.accum = layout, layout.grad_accum
         # A task that may count only some targets (tasks.py): see forward_backward.
         self.counted = getattr(learner.task, "counted", None)
+        # With loss parallelism, each forward and backward under split logits.
+        self.loss_context = parallel.loss_context(learner.model)
 
     def forward_backward(
         self, fetch: Callable[[], Any], where: Whereabouts
@@ -45,15 +47,16 @@ class MicroBatches:
             batch = fetched[micro] if micro < len(fetched) else fetch()
             where.phase = "forward/backward"
             last = micro == accum - 1
-            with self.gradient_sync(last), precision.autocast():
-                if over is not None:
-                    loss = self.task.loss(model, batch, over)  # type: ignore[call-arg]
-                else:
-                    loss = self.task.loss(model, batch)
-                    if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
-                        loss = loss / accum
-            backward_began = time.perf_counter()
-            precision.backward(loss)
+            with self.loss_context:
+                with self.gradient_sync(last), precision.autocast():
+                    if over is not None:
+                        loss = self.task.loss(model, batch, over)  # type: ignore[call-arg]
+                    else:
+                        loss = self.task.loss(model, batch)
+                        if accum > 1:  # (dividing by 1 changes no bit, but costs two ops a step)
+                            loss = loss / accum
+                backward_began = time.perf_counter()
+                precision.backward(loss)
             # The last backward exchanges the gradients: the ranks wait there for the slowest.
             exchange = time.perf_counter() - backward_began
             # The first micro-batch's loss as it is (0 + x is x), the others added to it.

@@ -1,7 +1,8 @@
 """How the model is spread over the ranks: the parallel strategy (none, DDP, FSDP, HSDP) that
 lays the ranks out, builds and wraps the model and answers what differs between the modes in the
 loop and in `dtrain plan`; tensor parallelism over a device mesh with the data dimensions
-(`tensor`: its strategy, the plans that split a model, their styles) and pipeline stages over
+(`tensor`: its strategy, the plans that split a model, their styles; `loss`: the logits left
+split by vocabulary for the cross-entropy) and pipeline stages over
 the same mesh (`pipeline`: the cut, the schedules); the blocks FSDP shards,
 BatchNorm across ranks, shard-by-shard construction (`sharded_init`), the run's numeric
 precision (`precision`), and the replica groups that step on when one is lost (`replicas`, torchft).
@@ -20,6 +21,7 @@ from torch import nn
 from dtrain.config import ParallelConfig
 from dtrain.parallel.batchnorm import average_buffers
 from dtrain.parallel.blocks import find_blocks
+from dtrain.parallel.loss import SplitLoss, splits_logits
 from dtrain.parallel.pipe import Evaluator, Pipe
 from dtrain.parallel.pipeline import (
     Pipeline,
@@ -56,6 +58,7 @@ __all__ = [
     "check_cut",
     "held_names",
     "in_flight",
+    "loss_context",
     "configured",
     "counted",
     "find_blocks",
@@ -122,6 +125,12 @@ def gradient_sync(
     synchronised only with `sync`."""
     chosen = TensorParallel if layout.tp > 1 else BY_MODE[layout.mode]
     return chosen.gradient_sync(model, sync)
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The context of a training step's forward and backward: with loss parallelism, the
+    head's logits split by vocabulary and the cross-entropy computed on the parts."""
+    return SplitLoss() if splits_logits(model) else NOTHING
 
 
 def pipeline_of(model: nn.Module) -> Pipe | None:
