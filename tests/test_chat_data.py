@@ -370,7 +370,8 @@ def test_the_loss_counts_the_replies_alone_in_training_and_validation(chat, tmp_
 
 
 def test_a_step_over_ranks_and_micro_batches_is_the_mean_over_every_counted_token(chat, tmp_path):
-    """The same step as one batch in one process and as 2 ranks x 2 micro-batches: micro-batches
+    """The same step as one batch in one process, as 2 ranks x 2 micro-batches and as one tp
+    group of 2 with loss parallelism x 2 micro-batches: micro-batches
     count different numbers of reply tokens, and the step's gradient is still the mean over all
     of them (SGD, so that the second loss shows the first step's gradient), not a mean of
     micro-batch means."""
@@ -385,7 +386,13 @@ def test_a_step_over_ranks_and_micro_batches_is_the_mean_over_every_counted_toke
     whole = launch(tmp_path / "whole", [*job, f"data.batch_size={batch}"])
     split = launch(tmp_path / "split", [*job, f"data.batch_size={batch // 4}", "train.grad_accum=2"],
                    nproc=2)
-    for run in (whole, split):
+    # One tp group of 2 with the cross-entropy on logits split by vocabulary: the masked
+    # per-token losses computed on the parts.
+    vocab_split = launch(tmp_path / "tp", [*job, f"data.batch_size={batch // 2}",
+                                          "train.grad_accum=2", "parallel.tp.size=2",
+                                          "parallel.tp.loss_parallel=true"], nproc=2)
+    for run in (whole, split, vocab_split):
         assert run.returncode == 0, run.stderr[-3000:]
     assert whole.losses()[2] != whole.losses()[1]
     assert split.losses() == pytest.approx(whole.losses(), rel=2e-6)  # (4.7e-5 when it was not)
+    assert vocab_split.losses() == pytest.approx(whole.losses(), rel=2e-6)
