@@ -243,3 +243,61 @@ def cnn_of_this_code(cfg) -> nn.Module:
     if os.environ.get("CNN_EXTRA_LAYER"):
         model.extra = nn.Linear(2, 2)
     return model
+
+
+class MlpLM(nn.Module):
+    """A language model of the user's own: an embedding, residual MLP blocks and a head (no
+    attention: each token's logits from its own embedding)."""
+
+    def __init__(self, vocab_size: int, dim: int, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(MlpBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
+                                 nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def mlp_lm(cfg) -> nn.Module:
+    return MlpLM(**dict(cfg.args))
+
+
+def split_mlp_lm(model: MlpLM, stage: int, stages: int) -> nn.Module:
+    """The user's splitter (parallel.pp.split): the blocks cut evenly, the embedding on the
+    first stage and the head on the last; with $SPLIT_WRONG the blocks of a stage run in the
+    reverse order (not the model's forward)."""
+    per = len(model.blocks) // stages
+    parts = list(model.blocks[stage * per:(stage + 1) * per])
+    if os.environ.get("SPLIT_WRONG"):
+        parts.reverse()
+    if stage == 0:
+        parts.insert(0, model.embed)
+    if stage == stages - 1:
+        parts.append(model.head)
+    return nn.Sequential(*parts)
+
+
+def split_mlp_lm_new_head(model: MlpLM, stage: int, stages: int) -> nn.Module:
+    """A splitter that makes a module of its own for the last stage: refused."""
+    part = split_mlp_lm(model, stage, stages)
+    return nn.Sequential(part, nn.Linear(model.head.out_features, 4)) if stage else part
+
+
+def split_mlp_lm_no_head(model: MlpLM, stage: int, stages: int) -> nn.Module:
+    """A splitter that leaves the head out: refused."""
+    part = split_mlp_lm(model, stage, stages)
+    return part[:-1] if stage == stages - 1 else part

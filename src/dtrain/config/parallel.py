@@ -116,6 +116,14 @@ class PipelineConfig:
         "1); the model's blocks are cut into size x stages_per_rank stages",
     )
 
+    split: str = option(
+        "auto",
+        doc="`auto`: the built-in gpt cut at its blocks, a Hugging Face decoder at its layers "
+        "(its config's `base_model_pp_plan`); else an import path `module:function` called as "
+        "function(model, stage, stages) that returns the module of one stage, made of the "
+        "model's own modules",
+    )
+
     @property
     def local_stages(self) -> int:
         if self.stages_per_rank:

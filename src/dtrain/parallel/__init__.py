@@ -27,7 +27,6 @@ from dtrain.parallel.pipeline import (
     Pipeline,
     StageModel,
     bubble,
-    check_cut,
     held_names,
     in_flight,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "Strategy",
     "average_buffers",
     "bubble",
-    "check_cut",
     "held_names",
     "in_flight",
     "loss_context",

@@ -65,11 +65,21 @@ class Pipe:
         self.task: Any = None
         self.schedule = _schedule(schedule, stages, microbatches, self._loss)
         self.tied_group = _tied_group(mesh)
-        # The tied weight of the first and the last stage (the embedding and the head), summed
-        # after each backward and counted once in the gradient norm: on the first stage.
-        ends = [part for part in parts if part.first != part.last]
-        self.tied = [part.tok_emb.weight for part in ends]
-        self.counted_out = {id(part.tok_emb.weight) for part in ends if part.last}
+        self.tied: list[nn.Parameter] = []
+        self.counted_out: set[int] = set()
+        self.vocab = 0
+
+    def share(self, names: dict[int, list[str]], vocab: int) -> None:
+        """The weights (by name in each stage's part) that the first and the last stage both
+        hold (a tied embedding and head): summed after each backward, counted once in the
+        gradient norm (on the first stage); and the logits' vocabulary."""
+        ends = [part for part in self.parts if part.first != part.last]
+        for part in ends:
+            params = [part.get_parameter(name) for name in names.get(part.stage, [])]
+            self.tied += params
+            if part.last:
+                self.counted_out |= {id(p) for p in params}
+        self.vocab = vocab
 
     def use_task(self, task: Any) -> None:
         self.task = task
@@ -165,7 +175,7 @@ class Evaluator:
         logits = self.pipe.forward(inputs)
         if logits is not None:
             return logits
-        shape = (*inputs.shape, self.pipe.parts[0].vocab)
+        shape = (*inputs.shape, self.pipe.vocab)
         return torch.zeros((), device=inputs.device).expand(shape)
 
 

@@ -20,12 +20,12 @@ import dataclasses
 import math
 from typing import Any, cast
 
-import torch
 from torch import nn
 
 from dtrain.config import ModelConfig, ParallelConfig, PipelineConfig
 from dtrain.core.errors import UserError
 from dtrain.parallel.blocks import checkpoint_activations
+from dtrain.parallel.cuts import Part, cut_of
 from dtrain.parallel.pipe import Pipe
 from dtrain.parallel.precision import Precision
 from dtrain.parallel.tensor import TensorParallel, check_divides, parallelize, plan_of
@@ -73,6 +73,7 @@ class Pipeline(TensorParallel):
         precision: Precision,
         prepare: Any = None,
     ) -> tuple[nn.Module, int, list[str]]:
+        self._probe_len = int(info.get("seq_len") or 8)  # (what `wrap` checks the cut on)
         model, count, notes = super().build(model_cfg, info, seed, precision, prepare)
         pipe = cast(StageModel, model).pipe
         notes[-1] = (
@@ -95,29 +96,34 @@ class Pipeline(TensorParallel):
         notes: list[str] | None = None,
     ) -> nn.Module:
         layout, pp_cfg = self.layout, self.cfg.pp
-        stages = check_cut(model, pp_cfg, layout.pp, model_cfg.name)
+        cut = cut_of(model, pp_cfg, layout.pp, model_cfg.name)
         model.to(layout.device)
+        vocab = cut.check_whole(model_cfg.name, getattr(self, "_probe_len", 8))
         whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        tied = cut.tied()
         mesh = self._mesh()
-        plan = None
-        if layout.tp > 1:
+        if layout.tp > 1:  # the whole model split by its plan, then cut (the plan's names)
             check_divides(model, layout.tp, model_cfg.name)
-            plan = plan_of(model, self.cfg.tp, model_cfg.name)
+            ties = {id(p): n for n, p in model.named_parameters() if id(p) in tied}
+            parallelize(model, plan_of(model, self.cfg.tp, model_cfg.name), mesh["tp"])
+            tied = {id(model.get_parameter(n)) for n in ties.values()}
         pp_rank = layout.env.rank // (layout.world_size // layout.pp)
         stage_ids = [pp_rank + k * layout.pp for k in range(pp_cfg.local_stages)]
-        depth = len(cast(Any, model).blocks)
-        parts = [GPTPart(model, *_blocks_of(s, stages, depth), s, stages) for s in stage_ids]
+        parts = [cut.part(s) for s in stage_ids]
+        # Each end stage's names of the weights it shares with the other end (FSDP replaces
+        # the parameters: they are found again by name).
+        shared = {
+            part.stage: [n for n, p in part.named_parameters() if id(p) in tied] for part in parts
+        }
         for part in parts:
-            if plan is not None:
-                parallelize(part, plan, mesh["tp"])
-            blocks = list(part.blocks.values())
             if model_cfg.activation_checkpointing:
-                for block in blocks:
+                for block in part.units():
                     checkpoint_activations(block)
-            self._distribute(part, blocks, precision, notes)
+            self._distribute(part, part.units(), precision, notes)
         microbatches = pp_cfg.microbatches * layout.grad_accum
-        pipe = Pipe(parts, stages, pp_cfg.schedule, microbatches, mesh, layout.device)
-        return StageModel(parts, pipe, whole)
+        pipe = Pipe(parts, cut.stages, pp_cfg.schedule, microbatches, mesh, layout.device)
+        pipe.share(shared, vocab)
+        return StageModel(model, parts, pipe, whole)
 
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -129,47 +135,21 @@ class Pipeline(TensorParallel):
         return self._made
 
 
-def check_cut(model: nn.Module, cfg: PipelineConfig, pp: int, model_name: str) -> int:
-    """The number of stages the model is cut into, after checking that it can be (`dtrain plan`
-    asks the same of the model on the meta device)."""
-    from dtrain.models import GPT  # (models import nothing of parallel)
-
-    if not isinstance(model, GPT):
-        raise UserError(
-            f"config error: parallel.pp.size: model {model_name} cannot be cut into stages by "
-            f"dtrain yet (the built-in gpt can); set parallel.pp.size=1"
-        )
-    stages = pp * cfg.local_stages
-    if stages > len(model.blocks):
-        raise UserError(
-            f"config error: parallel.pp: {stages} stages (pp {pp} x {cfg.local_stages} per "
-            f"rank) for the {len(model.blocks)} blocks of model {model_name}; use fewer stages "
-            f"or a deeper model"
-        )
-    return stages
-
-
-def held_names(model: nn.Module, cfg: PipelineConfig, pp: int) -> list[dict[str, int]]:
-    """For `dtrain plan`: each stage rank's parameters, by name, with how many copies it holds
-    (the last stage's head holds a second copy of the embedding it is tied to)."""
-    stages = pp * cfg.local_stages
-    depth = len(cast(Any, model).blocks)
+def held_names(
+    model: nn.Module, cfg: PipelineConfig, pp: int, model_name: str
+) -> list[dict[str, int]]:
+    """For `dtrain plan` (the model on the meta device), after the cut's own refusals: each
+    stage rank's parameters, by name, with how many copies it holds (the last stage's head
+    holds a second copy of the embedding it is tied to)."""
+    cut = cut_of(model, cfg, pp, model_name)
+    names = {id(p): n for n, p in model.named_parameters()}
     held: list[dict[str, int]] = []
     for rank in range(pp):
-        names: dict[str, int] = {}
-        for stage in range(rank, stages, pp):
-            first, end = _blocks_of(stage, stages, depth)
-            prefixes = [f"blocks.{i}." for i in range(first, end)]
-            if stage == 0:
-                prefixes += ["tok_emb.", "pos_emb."]
-            if stage == stages - 1:
-                prefixes += ["norm.", "head."]
-            for name, _ in model.named_parameters():
-                if any(name.startswith(p) for p in prefixes):
-                    names[name] = 1
-            if stage == stages - 1 and stages > 1:
-                names["tok_emb.weight"] = names.get("tok_emb.weight", 0) + 1  # the head's copy
-        held.append(names)
+        mine: dict[str, int] = {}
+        for stage in range(rank, cut.stages, pp):
+            for param in cut.part(stage).parameters():
+                mine[names[id(param)]] = 1
+        held.append(mine)
     return held
 
 
@@ -184,62 +164,30 @@ def in_flight(cfg: PipelineConfig, pp: int, microbatches: int) -> int:
     return min(microbatches * cfg.local_stages, (cfg.local_stages - 1) * pp + 2 * pp - 1)
 
 
-def _blocks_of(stage: int, stages: int, depth: int) -> tuple[int, int]:
-    """The blocks [first, end) of `stage`: as even a cut as there is, the earlier stages taking
-    one more where it is not (the last also holds the head)."""
-    per, extra = divmod(depth, stages)
-    first = stage * per + min(stage, extra)
-    return first, first + per + (stage < extra)
-
-
-class GPTPart(nn.Module):
-    """One stage of the built-in GPT: its blocks under their own names, with the embeddings on
-    the first stage and the final norm and head on the last; a stage's forward takes the
-    previous one's output (the first, the tokens)."""
-
-    tok_emb: nn.Embedding
-    pos_emb: nn.Embedding
-    drop: nn.Module
-    norm: nn.Module
-    head: nn.Linear
-
-    def __init__(self, gpt: Any, first: int, end: int, stage: int, stages: int) -> None:
-        super().__init__()
-        self.stage, self.first, self.last = stage, stage == 0, stage == stages - 1
-        self.vocab = gpt.tok_emb.num_embeddings
-        if self.first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(first, end)})
-        if self.last:
-            # The head with the embedding it is tied to (unused here): the last stage holds the
-            # tied weight under the names, and with the optimizer state, of any other layout.
-            self.tok_emb, self.norm, self.head = gpt.tok_emb, gpt.norm, gpt.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.norm(x)) if self.last else x
-
-
 class StageModel(nn.Module):
     """What this rank holds of the model, under the whole model's names (what the optimizer,
-    the checkpoints and the gradient checks see); its stages run through `pipe`, not a
-    forward of its own."""
+    the checkpoints and the gradient checks see): the whole model's tree pruned to the modules
+    its stages hold. Its stages run through `pipe`, not a forward of its own."""
 
-    def __init__(self, parts: list[GPTPart], pipe: Pipe, whole: dict[str, tuple]) -> None:
+    def __init__(
+        self, whole: nn.Module, parts: list[Part], pipe: Pipe, shapes: dict[str, tuple]
+    ) -> None:
         super().__init__()
-        self.whole_shapes = whole  # the whole model's names and shapes: what a checkpoint holds
-        blocks = nn.ModuleDict()
-        for part in parts:
-            for name in ("tok_emb", "pos_emb", "drop", "norm", "head"):
-                if hasattr(part, name):
-                    self.add_module(name, getattr(part, name))
-            for index, block in part.blocks.items():
-                blocks[index] = block
-        self.blocks = blocks
+        self.whole_shapes = shapes  # the whole model's names and shapes: what a checkpoint holds
+        held = {id(m) for part in parts for m in part.modules()}
+        placed: list[str] = []
+        for path, module in whole.named_modules():
+            inside = any(path.startswith(f"{p}.") for p in placed)
+            if not path or inside or id(module) not in held:
+                continue
+            parent: nn.Module = self
+            *outer, attr = path.split(".")
+            for name in outer:
+                if not hasattr(parent, name):
+                    parent.add_module(name, nn.Module())
+                parent = getattr(parent, name)
+            parent.add_module(attr, module)
+            placed.append(path)
         self.pipe = pipe
 
     def forward(self, *_args: Any, **_kwargs: Any) -> Any:

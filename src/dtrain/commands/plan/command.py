@@ -281,9 +281,10 @@ def _pipeline_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
     stages = layout.pp * pp_cfg.local_stages
     flight = parallel.in_flight(pp_cfg, layout.pp, micro)
     bubble = parallel.bubble(pp_cfg.schedule, layout.pp, micro, pp_cfg.local_stages)
+    by = "" if pp_cfg.split == "auto" else f" (cut by {pp_cfg.split})"
     return [
-        f"  pipeline    {stages} stages of the {len(facts.blocks)} blocks ({pp_cfg.local_stages} "
-        f"per rank), schedule {pp_cfg.schedule}, {micro} micro-batches of "
+        f"  pipeline    {stages} stages of the {len(facts.blocks)} blocks{by} "
+        f"({pp_cfg.local_stages} per rank), schedule {pp_cfg.schedule}, {micro} micro-batches of "
         f"{layout.batch_size * layout.grad_accum // micro} a step",
         f"              activations of up to {flight} micro-batch(es) in flight on a stage rank; "
         f"bubble {bubble:.1%} of a step",

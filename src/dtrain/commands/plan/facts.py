@@ -65,8 +65,7 @@ def model_facts(cfg: Config, nproc: int, nnodes: int) -> ModelFacts:
     tp_split = parallel.split_names(model, tp, cfg.model.name) if tp.size > 1 else set()
     pp, pp_held = cfg.parallel.pp, None
     if pp.size > 1:  # the cut's own refusals, likewise
-        parallel.check_cut(model, pp, pp.size, cfg.model.name)
-        pp_held = parallel.held_names(model, pp, pp.size)
+        pp_held = parallel.held_names(model, pp, pp.size, cfg.model.name)
     return ModelFacts(
         layout=layout,
         counted=counted,
