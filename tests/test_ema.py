@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY, Result, kill_then_resume, latest, launch
+from conftest import TINY, Result, dtrain, kill_then_resume, latest, launch
 from test_speed import QUIET, reads_per_step
 from dtrain import config
 from dtrain.commands.plan import command as plan
@@ -354,3 +354,30 @@ def _resume_the_average_on_one_rank(two_ranks: Path, overrides: list[str], run_d
     for name, value in ema9.items():
         want = 0.9 * ema8[name] + 0.1 * params9[name].detach()
         torch.testing.assert_close(value, want, rtol=0, atol=1e-6)
+
+
+def test_a_pipeline_keeps_the_average_of_its_stages(tmp_path: Path) -> None:
+    """pp 2 x dp 2 (each stage rank averaging its own stages, the tied embedding on both ends):
+    the average's val_loss_ema of DDP on 4 ranks at step 5; its checkpoint resumes as pp 2 on 2
+    ranks and at step 10 the average is still DDP's; `dtrain eval --weights ema` reads it whole."""
+    from test_pipeline import GPT
+    from test_tensor_parallel import _close
+    every = [*GPT, "train.ema.decay=0.9", "train.eval_every_steps=5"]
+    ddp = launch(tmp_path / "ddp", [*every, "data.batch_size=4", "train.max_steps=10"], nproc=4)
+    pp = launch(tmp_path / "pp", [*every, "data.batch_size=8", "parallel.pp.size=2",
+                                  "train.max_steps=5"], nproc=4)
+    assert ddp.returncode == 0 and pp.returncode == 0, (ddp.stderr[-2000:], pp.stderr[-2000:])
+    resumed = launch(tmp_path / "pp", [*every, "data.batch_size=16", "parallel.pp.size=2",
+                                       "train.max_steps=10"], nproc=2)
+    assert resumed.returncode == 0 and "(step 5, epoch 0)" in resumed.stderr, resumed.stderr[-2000:]
+
+    def evaluated(run_dir: Path) -> dict[int, float]:
+        records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["val_loss_ema"] for r in records if "val_loss_ema" in r}
+
+    ours, theirs = evaluated(tmp_path / "pp"), evaluated(tmp_path / "ddp")
+    assert sorted(ours) == [5, 10]
+    _close(ours, theirs, range(5, 11, 5))
+    shown = dtrain("eval", str(tmp_path / "pp"), "--weights", "ema")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"val_loss_ema {ours[10]:.5f}" in shown.stdout

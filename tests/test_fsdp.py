@@ -115,12 +115,13 @@ def test_bf16_trains(tmp_path, mode) -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_fp16_scaler_skips_overflowing_steps(tmp_path, mode) -> None:
+@pytest.mark.parametrize("mode, optim", [("ddp", "sgd"), ("fsdp", "sgd"), ("fsdp", "adamw")])
+def test_fp16_scaler_skips_overflowing_steps(tmp_path, mode, optim) -> None:
     # A first loss scale of 2^40 overflows fp16 gradients: the scaler must skip those steps and
-    # lower the scale on every rank until the gradients fit, and training then goes on.
-    result = run(tmp_path, f"fp16_{mode}", f"parallel.mode={mode}", "train.precision=fp16",
-                 "train.loss_scale_init=1099511627776")
+    # lower the scale on every rank until the gradients fit, and training then goes on. (FSDP
+    # with a fused AdamW: its step takes the scaler's flag of every rank.)
+    result = run(tmp_path, f"fp16_{mode}_{optim}", f"parallel.mode={mode}", f"optim.name={optim}",
+                 "train.precision=fp16", "train.loss_scale_init=1099511627776")
     scales = [r["loss_scale"] for r in result.records() if "loss_scale" in r]
     assert len(scales) == STEPS
     assert scales[-1] < 2.0 ** 40

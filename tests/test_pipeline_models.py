@@ -223,3 +223,66 @@ def test_cuts_that_cannot_work_are_one_line(llama, extra, message) -> None:
     lines = planned.stderr.strip().splitlines()
     assert planned.returncode == 2 and len(lines) == 1, planned.stderr
     assert f"dtrain: config error: {message.replace('{root}', str(root))}" in lines[0]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plan_counts_what_each_stage_keeps_for_its_backward(checkpointing) -> None:
+    """`dtrain plan`'s activations of a pipeline stage rank (traced on the meta device, from
+    the whole model) are what the real stage's forward saves for its backward on a
+    micro-batch (counted by autograd's hooks on real tensors; with activation checkpointing,
+    the blocks' inputs and, at the peak, the largest block's own recomputed), times the
+    micro-batches that 1F1B holds in flight on each (the pipeline's depth on the first, one
+    on the last)."""
+    from dtrain import config, models, parallel, tasks
+    from dtrain.commands.plan import command as plan
+    from dtrain.commands.plan import facts as plan_facts
+    from dtrain.commands.plan import footprint
+    from dtrain.parallel.blocks import checkpoint_activations
+    from dtrain.parallel.cuts import cut_of
+    cfg = config.load(None, [
+        *COMMON, "model.name=gpt", "model.args={dim: 32, depth: 4, heads: 4}", "data.name=text",
+        "data.text.corpus=python_docs", "data.text.seq_len=32", "data.batch_size=16",
+        "parallel.pp.size=2", f"model.activation_checkpointing={str(checkpointing).lower()}"])
+    facts = plan_facts.model_facts(cfg, 2, 1)
+    info = facts.shapes.info
+    task = tasks.build(cfg.task, info)
+    held = parallel.stage_blocks(facts.model, cfg.parallel.pp, 2, "gpt", facts.blocks)
+    traced = footprint.stage_activations(facts.model, cfg, lambda n: task.example_input(info, n),
+                                         held, 4)
+    model = models.build(cfg.model, info, 0)
+    params = {id(p) for p in model.parameters()}
+
+    def saved_by(run) -> int:
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            base = t._base if t._base is not None else t
+            if id(base) not in params:
+                saved[id(base)] = base.numel() * base.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+        return sum(saved.values())
+
+    x, measured = task.example_input(info, 4), []
+    for stage in range(2):
+        part = cut_of(model, cfg.parallel.pp, 2, "gpt").part(stage)
+        inputs, own = x, []
+        for block in part.units():  # each block's own, on its real input
+            block_input = []
+            handle = block.register_forward_pre_hook(lambda _m, a: block_input.append(a[0]))
+            saved_by(lambda: part(inputs))
+            handle.remove()
+            own.append(saved_by(lambda: block(block_input[0])))
+        if checkpointing:
+            for block in part.units():
+                checkpoint_activations(block)
+        kept = saved_by(lambda: part(inputs))
+        measured.append(kept + max(own) if checkpointing else kept)
+        x = part(inputs).detach().requires_grad_()
+    assert traced == measured and all(measured)
+    shown = plan.report(cfg, nproc=2)
+    at_once = [traced[0] * 2, traced[1]]  # (1F1B: 2 micro-batches in flight on the first)
+    rank = at_once.index(max(at_once))
+    assert f"{plan.size_text(at_once[rank])} in fp32 on stage rank {rank};" in shown

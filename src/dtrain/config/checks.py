@@ -214,9 +214,7 @@ def _check_pipeline(cfg: Config) -> None:
     refused = {
         "model.lora": cfg.model.lora.r is not None,
         "train.qat": cfg.train.qat.scheme is not None,
-        "train.ema": cfg.train.ema.decay is not None,
         "train.eval_tasks": bool(cfg.train.eval_tasks),
-        "train.precision=fp16": cfg.train.precision == "fp16",
         "parallel.replicas": cfg.parallel.replicas.groups > 0,
         "model.compile": cfg.model.compile,
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,

@@ -38,7 +38,7 @@ from dtrain.checkpoint.state import (
 )
 from dtrain.core.errors import UserError
 from dtrain.core.logs import log
-from dtrain.parallel import reshard, unwrap
+from dtrain.parallel import reshard, unwrap, whole_shapes
 from dtrain.process import compat, dist
 
 if TYPE_CHECKING:
@@ -154,6 +154,8 @@ class EmaWeights:
         checkpoint has no average that fits this model (the average starts from the weights)."""
         shapes = dist.on_main(saved.shapes)
         ours = {n: tuple(a.shape) for n, a in zip(self.names, self.average, strict=True)}
+        if shapes and whole_shapes(self.model) is not None and ours.keys() <= shapes.keys():
+            shapes = {n: shapes[n] for n in ours}  # a pipeline stage's rank: its stages' part
         problem = shape_mismatch(ours, shapes) if shapes else "it holds none (train.ema was off)"
         if problem:
             log.warning(

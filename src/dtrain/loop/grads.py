@@ -83,7 +83,8 @@ class Check:
         if self.one_kind is None:  # the gradients' kind does not change during a run
             self.one_kind = one_kind(grads)
         if self.pipe is not None:
-            return self._over_stages(max_norm)
+            skip, norm = self._over_stages(max_norm)
+            return (torch.zeros((), device=self.device) if precision.scaled else skip), norm
         if max_norm is None and not precision.scaled and self.one_kind:
             # Plain tensors (no shards; DDP averaged them: every rank sees the same): one fused
             # pass finds a non-finite gradient, and the dearer norm waits for a check to want it.

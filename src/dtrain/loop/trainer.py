@@ -73,7 +73,7 @@ class Trainer:
         # A pipeline's steps run through its schedule (parallel.pp), with the task's loss.
         self.pipe = parallel.pipeline_of(self.model)
         if self.pipe is not None:
-            self.pipe.use_task(self.task)
+            self.pipe.use_task(self.task, learner.precision.scaler)
         self.micro_batches = MicroBatches(learner, layout)
         params = list(self.model.parameters())
         self.check_gradients = grads.Check(params, optimizer, self.device, self.pipe)

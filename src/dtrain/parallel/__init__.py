@@ -29,6 +29,7 @@ from dtrain.parallel.pipeline import (
     bubble,
     held_names,
     in_flight,
+    stage_blocks,
 )
 from dtrain.parallel.strategies import (
     BY_MODE,
@@ -56,6 +57,7 @@ __all__ = [
     "bubble",
     "held_names",
     "in_flight",
+    "stage_blocks",
     "loss_context",
     "configured",
     "counted",

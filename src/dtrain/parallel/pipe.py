@@ -63,6 +63,8 @@ class Pipe:
             for part, sid in zip(parts, self.stage_ids, strict=True)
         ]
         self.task: Any = None
+        self.scaler: Any = None
+        self._unscaled: dict[int, torch.Tensor] = {}
         self.schedule = _schedule(schedule, stages, microbatches, self._loss)
         self.tied_group = _tied_group(mesh)
         self.tied: list[nn.Parameter] = []
@@ -81,13 +83,20 @@ class Pipe:
                 self.counted_out |= {id(p) for p in params}
         self.vocab = vocab
 
-    def use_task(self, task: Any) -> None:
-        self.task = task
+    def use_task(self, task: Any, scaler: Any = None) -> None:
+        """The task whose loss the last stage computes, and under fp16 the grad scaler that
+        scales it before the schedule's backward."""
+        self.task, self.scaler = task, scaler
+        if scaler is not None:  # (its scale made on every rank: only the last stage scales)
+            scaler.scale(torch.zeros((), device=self.device))
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Each micro-batch's mean loss over their count: summed, the step's mean; the
         # gradients those of DDP's mean (the schedule's own scaling is off).
-        return self.task.loss(_Given(output), target) / self.microbatches
+        loss = self.task.loss(_Given(output), target) / self.microbatches
+        scaled = loss if self.scaler is None else self.scaler.scale(loss)
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
 
     def train(self, batches: list[Any]) -> torch.Tensor:
         """One optimizer step's forwards and backwards over `batches` (the step's micro-batches
@@ -96,12 +105,13 @@ class Pipe:
         windows = [_plain_windows(b) for b in batches]
         batch = windows[0] if len(windows) == 1 else torch.cat(windows)
         args = (self.task.model_input(batch),) if self.first else ()
+        self._unscaled.clear()
         losses: list[torch.Tensor] = []
         self.schedule.step(
             *args, target=batch if self.last else None, losses=losses, return_outputs=False
         )
-        if self.last:
-            loss = torch.stack([x.detach() for x in losses]).sum()
+        if self.last:  # (the micro-batches' own, as `_loss` computed them before any scaling)
+            loss = torch.stack([self._unscaled[id(x)] for x in losses]).sum()
         else:
             loss = torch.zeros((), device=self.device)
         torch_dist.all_reduce(loss, group=self.group)  # from the last stage (0 + x is x)

@@ -153,14 +153,29 @@ def held_names(
     return held
 
 
-def in_flight(cfg: PipelineConfig, pp: int, microbatches: int) -> int:
-    """The most micro-batches whose activations a stage rank holds at once: all of them under
-    GPipe, at most the pipeline's depth under 1F1B (on its first stage rank), and the
-    interleaved schedules' warm-up over their stages per rank."""
+def stage_blocks(
+    model: nn.Module, cfg: PipelineConfig, pp: int, model_name: str, blocks: list[nn.Module]
+) -> list[list[int]]:
+    """For `dtrain plan`: the indices in `blocks` (the model's, in order) of the blocks each
+    stage rank's stages hold."""
+    cut = cut_of(model, cfg, pp, model_name)
+    index = {id(block): i for i, block in enumerate(blocks)}
+    held: list[list[int]] = []
+    for rank in range(pp):
+        units = [u for stage in range(rank, cut.stages, pp) for u in cut.part(stage).units()]
+        held.append(sorted(index[id(u)] for u in units if id(u) in index))
+    return held
+
+
+def in_flight(cfg: PipelineConfig, pp: int, microbatches: int, rank: int = 0) -> int:
+    """The most micro-batches whose activations stage rank `rank` holds at once: all of them
+    under GPipe, under 1F1B the stages after it and its own (the pipeline's depth on the first),
+    and the interleaved schedules' warm-up over their stages per rank (the first rank's, for
+    every rank: an upper bound)."""
     if cfg.schedule == "gpipe":
         return microbatches
     if cfg.local_stages == 1:
-        return min(microbatches, pp)
+        return min(microbatches, pp - rank)
     return min(microbatches * cfg.local_stages, (cfg.local_stages - 1) * pp + 2 * pp - 1)
 
 

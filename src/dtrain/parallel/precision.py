@@ -29,28 +29,33 @@ _NO_AUTOCAST = contextlib.nullcontext()
 class Precision:
     """`train.precision` for one run. Under FSDP the policy casts the sharded parameters
     (`fsdp_policy`) and the forward pass is not autocast as well; every other mode autocasts.
-    fp16 adds a grad scaler (sharded under FSDP: an inf in one rank's shard skips the step on
-    every rank)."""
+    fp16 adds a grad scaler, which under FSDP and a pipeline agrees over every rank (an inf in
+    one rank's gradients skips the step on all)."""
 
     def __init__(
-        self, name: str, device: torch.device, sharded: bool, loss_scale_init: float = 65536.0
+        self,
+        name: str,
+        device: torch.device,
+        sharded: bool,
+        loss_scale_init: float = 65536.0,
+        agreed: bool = False,
     ) -> None:
         self.name = name
         self.dtype = DTYPES[name]
         self.device = device
         self.sharded = sharded
+        # Where each rank holds some of the gradients (FSDP's shards, a pipeline's stages), what
+        # the scaler found is reduced over every rank: an inf in one rank's skips the step on
+        # all. (Not torch's ShardedGradScaler: its flag's shape is not the one a fused
+        # optimizer's step takes.)
+        self.agreed = sharded or agreed
         self.scaler: Any | None = None
         if name == "fp16":
-            if sharded:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-                self.scaler = ShardedGradScaler(device=device.type, init_scale=loss_scale_init)
-            else:
-                self.scaler = torch.amp.GradScaler(device.type, init_scale=loss_scale_init)
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=loss_scale_init)
 
     @classmethod
     def for_run(cls, name: str, loss_scale_init: float, layout: Layout) -> Precision:
-        return cls(name, layout.device, layout.sharded, loss_scale_init)
+        return cls(name, layout.device, layout.sharded, loss_scale_init, agreed=layout.pp > 1)
 
     @property
     def scaled(self) -> bool:
@@ -81,6 +86,18 @@ class Precision:
         clipped (what the optimizer applies is then what is measured)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            if self.agreed:  # what the step reads, made every rank's: one skips, all skip
+                import torch.distributed as torch_dist
+
+                found = compat.scaler_found_inf(self.scaler, optimizer)
+                if not found:
+                    raise RuntimeError(
+                        "this torch's grad scaler does not say what it found, which fp16 over "
+                        "shards or stages needs; use bf16"
+                    )
+                for flag in found:
+                    # (the largest: a fused optimizer skips a step where the flag is 1, not 2)
+                    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
 
     def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """fp16: the optimizer step as the scaler decides (skipped on an overflow, which

@@ -282,13 +282,34 @@ def _pipeline_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
     flight = parallel.in_flight(pp_cfg, layout.pp, micro)
     bubble = parallel.bubble(pp_cfg.schedule, layout.pp, micro, pp_cfg.local_stages)
     by = "" if pp_cfg.split == "auto" else f" (cut by {pp_cfg.split})"
+    size = layout.batch_size * layout.grad_accum // micro
     return [
         f"  pipeline    {stages} stages of the {len(facts.blocks)} blocks{by} "
         f"({pp_cfg.local_stages} per rank), schedule {pp_cfg.schedule}, {micro} micro-batches of "
-        f"{layout.batch_size * layout.grad_accum // micro} a step",
-        f"              activations of up to {flight} micro-batch(es) in flight on a stage rank; "
-        f"bubble {bubble:.1%} of a step",
+        f"{size} a step",
+        f"              activations of up to {flight} micro-batch(es) in flight on a stage rank"
+        f"{_in_flight_bytes(facts, cfg, size, micro)}; bubble {bubble:.1%} of a step",
     ]
+
+
+def _in_flight_bytes(facts: plan_facts.ModelFacts, cfg: Config, size: int, micro: int) -> str:
+    """What the micro-batches in flight keep for the backward on the stage rank that keeps
+    most (fp32, traced), or nothing where the forward cannot be traced."""
+    pp = cfg.parallel.pp
+    held = parallel.stage_blocks(facts.model, pp, pp.size, cfg.model.name, facts.blocks)
+    make = getattr(tasks.build(cfg.task, facts.shapes.info), "example_input", None)
+    try:
+        if make is None:
+            return ""
+        info = facts.shapes.info
+        sizes = footprint.stage_activations(facts.model, cfg, lambda n: make(info, n), held, size)
+    except Exception:  # noqa: BLE001 - a model the tracer cannot follow: the count alone
+        return ""
+    held_at_once = [
+        size * parallel.in_flight(pp, pp.size, micro, rank) for rank, size in enumerate(sizes)
+    ]
+    largest = max(range(len(sizes)), key=held_at_once.__getitem__)
+    return f": {size_text(held_at_once[largest])} in fp32 on stage rank {largest}"
 
 
 def _describe_sample(cfg: Config, info: dict[str, Any]) -> str:

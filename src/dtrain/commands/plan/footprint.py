@@ -143,15 +143,27 @@ class _Saved:
     """Bytes saved for backward by one forward: outside any block, per block, and the blocks'
     inputs (what activation checkpointing keeps instead of the block's own)."""
 
-    outside: int
+    before: int  # outside any block, before the first (the embeddings)
+    after: int  # outside any block, after one (the final norm, the head)
     per_block: list[int]
-    block_inputs: int
+    block_inputs: list[int]
 
-    def retained(self, checkpointing: bool) -> int:
-        if checkpointing and self.per_block:
+    @property
+    def outside(self) -> int:
+        return self.before + self.after
+
+    def retained(
+        self, checkpointing: bool, stage: tuple[list[int], bool, bool] | None = None
+    ) -> int:
+        """What the forward keeps for the backward; with `stage` (a pipeline stage rank's block
+        indices, and whether it holds the first and the last stage), what that rank keeps."""
+        held, first, last = stage or (list(range(len(self.per_block))), True, True)
+        outside = self.before * first + self.after * last
+        own = [self.per_block[i] for i in held]
+        if checkpointing and own:
             # Kept: block inputs; at the peak, one block's activations are recomputed.
-            return self.outside + self.block_inputs + max(self.per_block)
-        return self.outside + sum(self.per_block)
+            return outside + sum(self.block_inputs[i] for i in held) + max(own)
+        return outside + sum(own)
 
 
 def _trace_saved(
@@ -164,7 +176,7 @@ def _trace_saved(
     autograd saves and which block saved them. Parameters and views of them are not counted."""
     param_ids = {id(p) for p in model.parameters()}
     seen: dict[int, tuple[torch.Tensor, int, int]] = {}  # holds the tensors so that ids stay unique
-    current, inputs = [-1], [0]
+    current, inputs = [-1], [0] * len(blocks)  # current: the block running; -2 after one ran
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
@@ -175,14 +187,14 @@ def _trace_saved(
     def enter(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             current[0] = index
-            inputs[0] += sum(
+            inputs[index] += sum(
                 a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
             )
 
         return hook
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
-        current[0] = -1
+        current[0] = -2
 
     handles = [
         h
@@ -199,13 +211,15 @@ def _trace_saved(
         for h in handles:
             h.remove()
     per_block = [0] * len(blocks)
-    outside = 0
+    before = after = 0
     for _, size, where in seen.values():
-        if where < 0:
-            outside += size
+        if where == -1:
+            before += size
+        elif where == -2:
+            after += size
         else:
             per_block[where] += size
-    return _Saved(outside, per_block, inputs[0])
+    return _Saved(before, after, per_block, inputs)
 
 
 def traced_activations(
@@ -226,6 +240,33 @@ def traced_activations(
     with compat.fake_tensor_mode():  # shapes and dtypes only, no memory
         model.to_empty(device="cpu").train()
         return _retained(model, blocks, cfg, example, weights, kinds)
+
+
+def stage_activations(
+    meta_model: nn.Module,
+    cfg: Config,
+    example: Callable[[int], Any],
+    stage_blocks: list[list[int]],
+    micro: int,
+) -> list[int]:
+    """fp32 saved-for-backward bytes of one micro-batch of `micro` samples on each pipeline
+    stage rank, which holds the blocks `stage_blocks[r]` (indices of the model's blocks; the
+    first rank the embeddings, the last the head), with activation checkpointing as the config
+    says."""
+    model = copy.deepcopy(meta_model)
+    blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
+    checkpointing = cfg.model.activation_checkpointing
+    with compat.fake_tensor_mode():
+        model.to_empty(device="cpu").train()
+        two, four = (_trace_saved(model, blocks, example(n), None) for n in (2, 4))
+    sizes = []
+    last = len(stage_blocks) - 1
+    for rank, held in enumerate(stage_blocks):
+        stage = (held, rank == 0, rank == last)
+        at_two, at_four = (t.retained(checkpointing, stage) for t in (two, four))
+        per_sample = (at_four - at_two) / 2
+        sizes.append(int(at_two + per_sample * (micro - 2)))
+    return sizes
 
 
 def _retained(
