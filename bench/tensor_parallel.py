@@ -1,21 +1,27 @@
 """Tensor parallelism (parallel.tp): dtrain's dp 2 x tp 2 on 4 ranks against a hand-written
-loop of torch's own APIs on the same mesh and model.
+loop of torch's own APIs and against Lightning's ModelParallelStrategy, on the same mesh and
+model.
 
 The job: the built-in GPT (dim 128, depth 4, 4 heads, sequences of 64 tokens, AdamW), a global
-batch of 16 sequences (8 per tp group), mode ddp over the 2 data ranks. Two sides, each one
+batch of 16 sequences (8 per tp group), FSDP over the 2 data ranks. Three sides, each one
 torchrun of 4 ranks on gloo:
 
-- dtrain: `launch/train.py` with parallel.tp.size=2 on the python_docs corpus;
+- dtrain: `launch/train.py` with parallel.tp.size=2, parallel.mode=fsdp on the python_docs
+  corpus;
 - plain: this file run with `--plain` under torchrun: the same GPT class and seed, a device
-  mesh (dp_replicate 2, dp_shard 1, tp 2), `parallelize_module` with the Megatron split (the
-  fused qkv regrouped by heads, as the model needs to compute the same function), then
-  `fully_shard` on each block and the root over the data dimensions, AdamW, and a loop over
-  token batches drawn in memory (one per tp group).
+  mesh (dp 2, tp 2), `parallelize_module` with the Megatron split (the fused qkv regrouped by
+  heads, as the model needs to compute the same function), then `fully_shard` on each block
+  and the root over dp, AdamW, and a loop over token batches drawn in memory (one per tp
+  group);
+- lightning (where the optional bench extra is installed): this file with `--lightning`: the
+  same split in a LightningModule's `configure_model` on the strategy's mesh, the same batches,
+  `Trainer(strategy=ModelParallelStrategy(2, 2))` without logger, checkpoints or progress bar.
 
 A run's step time is the median of its windows of LOG_EVERY steps after the first (dtrain:
-the wall time of its TensorBoard events; plain: its own clock at the same steps); the figure is
-plain/dtrain steps per second within each round, its median over rounds, the range beside it.
-The sides alternate within a round, each round starting with the other.
+the wall time of its TensorBoard events; the others: their own clock at the same steps); each
+figure is the other side's step time over dtrain's within a round (its steps/s over the
+other's), its median over rounds, the range beside it. The order of the sides rotates from
+round to round.
 
     python bench/tensor_parallel.py [--rounds 3] [--json results.json]
 """
@@ -23,6 +29,7 @@ The sides alternate within a round, each round starting with the other.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -45,7 +52,7 @@ def _dtrain_job() -> list[str]:
             f"data.batch_size={BATCH}", "data.num_workers=0", "optim.name=adamw",
             "optim.lr=0.003", "ckpt.monitor=val_loss", "ckpt.monitor_mode=min", "sched.name=none", f"train.max_steps={STEPS}",
             f"train.log_every={LOG_EVERY}", "train.eval_every_epochs=0", "log.tensorboard=true",
-            f"parallel.tp.size={TP}", "parallel.mode=ddp"]
+            f"parallel.tp.size={TP}", "parallel.mode=fsdp"]
 
 
 def _windows(ends: list[float]) -> float:
@@ -67,12 +74,15 @@ def plain_step_s(work: Path, round_: int) -> float:
     return _windows(json.loads(out.read_text())["ends"])
 
 
-def plain_loop(out: str) -> None:
-    """The hand-written side, one rank of it."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
+def lightning_step_s(work: Path, round_: int) -> float:
+    out = work / f"lightning{round_}.json"
+    common.run([*common.launcher(NPROC), __file__, "--lightning", str(out)], timeout=900)
+    return _windows(json.loads(out.read_text())["ends"])
+
+
+def _split(model, mesh) -> None:
+    """The Megatron split over mesh["tp"], then FSDP over the data dimensions: what both
+    hand-written sides do with torch's own APIs."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -81,15 +91,8 @@ def plain_loop(out: str) -> None:
         parallelize_module,
     )
 
-    from dtrain.models import GPT
-    from dtrain.parallel.tensor import FusedColwise, Replicated
+    from dtrain.parallel.styles import FusedColwise, Replicated
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (NPROC // TP, 1, TP),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    torch.manual_seed(0)
-    model = GPT(vocab_size=256, seq_len=SEQ, **MODEL)
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
             "head": ColwiseParallel(output_layouts=Replicate())}
     for i in range(MODEL["depth"]):
@@ -101,13 +104,35 @@ def plain_loop(out: str) -> None:
     # The norms and positions: whole on every rank of the group, as DTensors of the tp mesh.
     for sub in [model.pos_emb, model.norm, *(m for b in model.blocks for m in (b.norm1, b.norm2))]:
         Replicated()._apply(sub, mesh["tp"])
-    data_mesh = mesh["dp_replicate", "dp_shard"]
     for block in model.blocks:
-        fully_shard(block, mesh=data_mesh)
-    fully_shard(model, mesh=data_mesh)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _tokens(data_rank: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(data_rank)  # one stream of batches per tp group
+    return torch.randint(0, 256, (64, BATCH, SEQ + 1), generator=gen)
+
+
+def plain_loop(out: str) -> None:
+    """The hand-written side, one rank of it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtrain.models import GPT
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (NPROC // TP, TP), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, seq_len=SEQ, **MODEL)
+    _split(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
-    gen = torch.Generator().manual_seed(rank // TP)  # one stream of batches per tp group
-    tokens = torch.randint(0, 256, (64, BATCH, SEQ + 1), generator=gen)
+    tokens = _tokens(rank // TP)
     ends = []
     for step in range(STEPS):
         batch = tokens[step % len(tokens)]
@@ -123,28 +148,88 @@ def plain_loop(out: str) -> None:
     dist.destroy_process_group()
 
 
+def lightning_loop(out: str) -> None:
+    """The peer's side, one rank of it: Lightning's ModelParallelStrategy (data parallel 2 x
+    tensor parallel 2), the split in the module's configure_model as its docs show, the same
+    model, seed, batches and optimizer; no logger, checkpoints or progress bar."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from dtrain.models import GPT
+
+    ends: list[float] = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(vocab_size=256, seq_len=SEQ, **MODEL)
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh
+            _split(self.model, {"tp": mesh["tensor_parallel"], "dp": mesh["data_parallel"]})
+
+        def training_step(self, batch, _index):
+            logits = self.model(batch[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   batch[:, 1:].reshape(-1))
+
+        def on_train_batch_end(self, _outputs, _batch, index) -> None:
+            if (index + 1) % LOG_EVERY == 0:
+                ends.append(time.perf_counter())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=0.003)
+
+    rank = int(os.environ["RANK"])
+    tokens = _tokens(rank // TP)
+    batches = [tokens[step % len(tokens)] for step in range(STEPS)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=NPROC, max_steps=STEPS, logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=NPROC // TP, tensor_parallel_size=TP),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Module(), loader)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ends": ends}))
+
+
 def run(work: Path, rounds: int = 3) -> list[Figure]:
-    ratios, detail = [], []
+    """Each round runs every side once, the order rotated from round to round."""
+    sides = [("dtrain", dtrain_step_s), ("plain", plain_step_s)]
+    if importlib.util.find_spec("lightning") is not None:  # (the optional bench extra)
+        sides.append(("lightning", lightning_step_s))
+    ratios: dict[str, list[float]] = {name: [] for name, _ in sides[1:]}
+    detail = []
     for i in range(rounds):
-        sides = [("dtrain", dtrain_step_s), ("plain", plain_step_s)]
-        got = dict((name, measure(work, i)) for name, measure in (sides if i % 2 == 0
-                                                                  else sides[::-1]))
-        ratios.append(got["plain"] / got["dtrain"])
-        detail.append(f"round {i}: dtrain {got['dtrain'] * 1e3:.1f} ms, plain "
-                      f"{got['plain'] * 1e3:.1f} ms a step; load {os.getloadavg()[0]:.1f}")
-    return [Figure("dp2 x tp2 steps/s vs parallelize_module + fully_shard", common.median(ratios),
-                   "x", ">= 0.97", f"range {min(ratios):.3f}-{max(ratios):.3f}; "
-                   + "; ".join(detail))]
+        order = sides[i % len(sides):] + sides[:i % len(sides)]
+        got = {name: measure(work, i) for name, measure in order}
+        for name in ratios:
+            ratios[name].append(got[name] / got["dtrain"])
+        detail.append(f"round {i}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in got.items())
+                      + f" a step; load {os.getloadavg()[0]:.1f}")
+    named = {"plain": "parallelize_module + fully_shard",
+             "lightning": "Lightning ModelParallelStrategy"}
+    return [Figure(f"dp2 x tp2 steps/s vs {named[name]}", common.median(r), "x", ">= 0.97",
+                   f"range {min(r):.3f}-{max(r):.3f}; " + "; ".join(detail))
+            for name, r in ratios.items()]
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--plain", metavar="OUT")
+    parser.add_argument("--lightning", metavar="OUT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.plain:
         plain_loop(args.plain)
+    elif args.lightning:
+        lightning_loop(args.lightning)
     else:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:

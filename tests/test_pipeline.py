@@ -248,3 +248,37 @@ def test_a_launch_refuses_them_alike(tmp_path, extra, nproc, message) -> None:
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr
     assert "dtrain: config error: parallel.pp" in result.stderr and message in result.stderr
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_each_sample_is_trained_once_an_epoch_across_a_change_of_layout(tmp_path) -> None:
+    """The sample log (parallel.replicas.sample_log, here without replica groups): pp 2 x dp 2
+    to step 20, then the run resumed as dp 2 x tp 2 to step 45 (into the second epoch). At each
+    step the ranks of a pipeline or tp group log the same samples, the 2 data ranks different
+    ones, and each sample of the first epoch is trained once."""
+    from collections import Counter
+    from test_tokens import token_folder
+    tokens = token_folder(tmp_path / "tokens")
+    job = [*GPT, "data.name=tokens", f"data.root={tokens}", "data.tokens.seq_len=32",
+           "parallel.replicas.sample_log=true", "train.epochs=2"]
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, [*job, "data.batch_size=8", "parallel.pp.size=2",
+                             "train.max_steps=20"], nproc=4)
+    assert first.returncode == 0, first.stderr[-2000:]
+    then = launch(run_dir, [*job, "data.batch_size=8", "parallel.tp.size=2",
+                            "train.max_steps=45"], nproc=4)
+    assert then.returncode == 0 and "(step 20, epoch 0)" in then.stderr, then.stderr[-2000:]
+    by_step: dict[int, list[tuple]] = {}
+    for path in sorted(run_dir.glob("replica_samples.rank*.jsonl")):
+        for line in map(json.loads, path.read_text().splitlines()):
+            by_step.setdefault(line["step"], []).append(tuple(map(tuple, line["samples"])))
+    assert sorted(by_step) == list(range(1, 46))
+    per_epoch: dict[int, Counter] = {}
+    for step, logged in by_step.items():
+        groups = Counter(logged)  # each data rank's samples, and how many ranks logged them
+        assert len(logged) == 4 and sorted(groups.values()) == [2, 2], (step, groups)
+        for samples in groups:
+            for epoch, index in samples:
+                per_epoch.setdefault(epoch, Counter())[index] += 1
+    windows = (20000 - 1) // 32
+    assert max(per_epoch[0].values()) == 1 and windows - 16 < len(per_epoch[0]) <= windows
+    assert max(per_epoch[1].values()) == 1

@@ -170,7 +170,7 @@ class ReplicasConfig:
         False,
         doc="each rank writes the sample keys of every step it took part in to "
         "`replica_samples.rank<r>.jsonl` in its group's run directory: the proof that every "
-        "sample of an epoch was trained once",
+        "sample of an epoch was trained once (also without replica groups, under any layout)",
     )
 
 

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -120,11 +120,6 @@ class Groups:
     def commit(self) -> bool:
         return True
 
-    def served(self) -> deque[tuple[int, int]] | None:
-        """Where the training sampler puts the keys it serves, for the sample log (None:
-        nothing logs them)."""
-        return None
-
     def trained(self, step: int, sampler: ResumableSampler, last_in_epoch: bool) -> None:
         """A step's sample keys on this rank, where they are logged: once its exchange has
         finished, before the commit (a group killed between the two, whose gradients the
@@ -137,13 +132,31 @@ class Groups:
         count = len(served) if last_in_epoch else self._keys_per_step
         self._log([served.popleft() for _ in range(min(count, len(served)))], step)
 
-    _keys_per_step = 0
+    _keys_per_step = 0  # a rank's samples in a step (batch x accumulation)
+    _sample_log: TextIO | None = None
+    _logged: int | None = None  # the step of the sample log's last line
+
+    def log_samples(self, path: str | None, keys_per_step: int) -> None:
+        """With `path`, the sample log: each step's sample keys on this rank written there
+        (parallel.replicas.sample_log, with replica groups or without)."""
+        self._keys_per_step = keys_per_step
+        # Line-buffered: a process killed mid-run leaves whole lines of the steps it took.
+        self._sample_log = open(path, "a", encoding="utf-8", buffering=1) if path else None
+
+    def served(self) -> deque[tuple[int, int]] | None:
+        """Where the training sampler puts the keys it serves, for the sample log (None:
+        nothing logs them)."""
+        return deque() if self._sample_log is not None else None
 
     def _log(self, keys: list[tuple[int, int]], step: int) -> None:
-        pass
+        assert self._sample_log is not None
+        line = {"step": step, "groups": self.groups_present, "place": self.place}
+        self._sample_log.write(json.dumps({**line, "samples": keys}) + "\n")
+        self._logged = step
 
     def close(self) -> None:
-        pass
+        if self._sample_log is not None:
+            self._sample_log.close()
 
 
 class OneGroup(Groups):
@@ -177,16 +190,11 @@ class Replicas(Groups):
         self._heal_state = heal_state
         self._quorum_for: int | None = None
         self._healed_from: int | None = None
-        self._keys_per_step = keys_per_step  # a rank's samples in a step (batch x accumulation)
-        self._logged: int | None = None  # the step of the sample log's last line
         self._waiting = False  # for parallel.replicas.min_groups (said once)
         self._failed_quorum = False  # this step's quorum failed here (said once)
         # The groups in the exchange, as each quorum that changed set it up (None: not yet).
         self.members: set[int] | None = None
-        # Line-buffered: a group killed mid-run leaves whole lines of the steps it took.
-        self._sample_log = (
-            open(sample_log, "a", encoding="utf-8", buffering=1) if sample_log else None
-        )
+        self.log_samples(sample_log, keys_per_step)
         self.lighthouse = lighthouse_of(section, dict(os.environ))
         try:
             self.manager = self._manager(group_rank, group_size)
@@ -322,16 +330,9 @@ class Replicas(Groups):
         )
         return False
 
-    def served(self) -> deque[tuple[int, int]] | None:
-        return deque() if self._sample_log is not None else None
-
     def _log(self, keys: list[tuple[int, int]], step: int) -> None:
-        assert self._sample_log is not None
-        if self.manager.errored():  # an exchange that failed: the step will not be committed
-            return
-        line = {"step": step, "groups": self.groups_present, "place": self.place}
-        self._sample_log.write(json.dumps({**line, "samples": keys}) + "\n")
-        self._logged = step
+        if not self.manager.errored():  # (an exchange that failed: the step is not committed)
+            super()._log(keys, step)
 
     def _retract(self, step: int) -> None:
         if self._sample_log is not None and self._logged == step:
@@ -341,8 +342,7 @@ class Replicas(Groups):
     def close(self) -> None:
         """Leave the replica groups, saying where this group left them and with what weights
         (the digest every group that reached the same step shares)."""
-        if self._sample_log is not None:
-            self._sample_log.close()
+        super().close()
         log.info(
             f"replica group {self.group}: left at step {self.manager.current_step()}, "
             f"weights digest {weights_digest(self.model)}"

@@ -110,8 +110,16 @@ class GroupLaunch:
 
     def replicas(self, cfg: Config, layout: Layout, contents: Contents, step: int) -> Groups:
         """The replica groups as this group's loop sees them (OneGroup without them)."""
+        sample_log = (
+            os.path.join(cfg.run_dir, f"{SAMPLE_LOG}.rank{dist.rank()}.jsonl")
+            if cfg.parallel.replicas.sample_log
+            else None
+        )
+        keys_per_step = layout.batch_size * layout.grad_accum
         if self.index is None:
-            return OneGroup()
+            one = OneGroup()
+            one.log_samples(sample_log, keys_per_step)
+            return one
         return Replicas(
             cfg.parallel.replicas,
             self.index,
@@ -120,12 +128,8 @@ class GroupLaunch:
             unwrap(contents.model),  # (its names as a checkpoint's, whether wrapped by DDP or not)
             heal_state(contents),
             step,
-            layout.batch_size * layout.grad_accum,
-            sample_log=(
-                os.path.join(cfg.run_dir, f"{SAMPLE_LOG}.rank{dist.rank()}.jsonl")
-                if cfg.parallel.replicas.sample_log
-                else None
-            ),
+            keys_per_step,
+            sample_log=sample_log,
         )
 
 
