@@ -21,13 +21,15 @@ and the others still run. Without a CUDA device (and without --cpu-try) it says 
 7. Tensor parallelism on two GPUs: the 152 M GPT as DDP on 2 and as tp 2 with the same global
    batch, bf16 on NCCL: tokens/s, peak memory against `dtrain plan`, the first losses against
    DDP's. With one GPU it says so.
+8. Pipeline parallelism on two GPUs: the same GPT as pp 2 (1F1B, 4 micro-batches) against DDP
+   on 2 with the same global batch, as in 7. With one GPU it says so.
 
-Parts 2 to 5 run by default (well under ten minutes on one H200); 1, 6 and 7 with --only.
+Parts 2 to 5 run by default (well under ten minutes on one H200); 1, 6, 7 and 8 with --only.
 
 --cpu-try runs every part on the CPU at tiny sizes (few steps, no compile): its figures mean
 nothing; it proves the commands, the parsing and the table.
 
-    python bench/cuda_check.py [OUT_DIR] [--only 1,2,3,4,5,6,7] [--cpu-try]
+    python bench/cuda_check.py [OUT_DIR] [--only 1,2,3,4,5,6,7,8] [--cpu-try]
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ PARTS = {
     "5": ("hf: Llama: tokens/s, MFU, peak memory against plan", cuda_parts.hf_llama),
     "6": ("host-device synchronisations in steady steps", sync_free),
     "7": ("tensor parallelism on two GPUs: tp 2 against DDP", cuda_parts.tensor_parallel),
+    "8": ("pipeline parallelism on two GPUs: pp 2 against DDP", cuda_parts.pipeline_parallel),
 }
 
 
@@ -144,7 +147,7 @@ def main() -> int:
     parser.add_argument("--out", help="the same as OUT_DIR")
     # 1 and 6 were measured on 2026-11-30 (docs/benchmarks.md): left out by default so that the
     # rest stays well under ten minutes on one GPU.
-    parser.add_argument("--only", default="2,3,4,5", help="the parts to run, e.g. 1,2,3,4,5,6,7")
+    parser.add_argument("--only", default="2,3,4,5", help="the parts to run, e.g. 1,2,3,4,5,6,7,8")
     parser.add_argument("--cpu-try", action="store_true",
                         help="every part on the CPU at tiny sizes: proves the commands, not speed")
     args = parser.parse_args()

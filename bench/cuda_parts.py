@@ -282,35 +282,46 @@ def hf_llama(out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Tensor parallelism on two GPUs: tp 2 against DDP on the same two, bf16 on NCCL
+# 7 and 8. Tensor and pipeline parallelism on two GPUs, against DDP on the same two, bf16 on NCCL
 
 
 def tensor_parallel(out: Path) -> None:
     """The 152 M GPT of part 3 (eager, not compiled) as DDP on 2 GPUs and as tp 2 (one group
-    reading twice DDP's per-rank batch: the same global batch): tokens/s, the first losses
-    against DDP's (bf16 tolerance), and each one's peak memory against `dtrain plan`. Needs two
-    GPUs; with one it says so (under --cpu-try: 2 CPU ranks on gloo, tiny)."""
+    reading twice DDP's per-rank batch: the same global batch)."""
+    _against_ddp(out, "7", "tensor parallelism", "tp2", ["parallel.tp.size=2"])
+
+
+def pipeline_parallel(out: Path) -> None:
+    """The same GPT as pp 2 (1F1B, 4 micro-batches; one pipeline reading twice DDP's per-rank
+    batch)."""
+    _against_ddp(out, "8", "pipeline parallelism", "pp2",
+                 ["parallel.pp.size=2", "parallel.pp.microbatches=4"])
+
+
+def _against_ddp(out: Path, part_no: str, what: str, label: str, layout: list[str]) -> None:
+    """DDP on 2 GPUs and `layout` on the same two with the same global batch: tokens/s, the
+    first losses against DDP's (bf16 tolerance), and each one's peak memory against `dtrain
+    plan`. Needs two GPUs; with one it says so (under --cpu-try: 2 CPU ranks on gloo, tiny)."""
     import torch
 
     if not TRY and torch.cuda.device_count() < 2:
-        figure("7", "tensor parallelism", f"skipped: {torch.cuda.device_count()} GPU(s), needs 2")
+        figure(part_no, what, f"skipped: {torch.cuda.device_count()} GPU(s), needs 2")
         return
     dim, depth, heads, seq_len, batch, steps = (GPT_TRY if TRY else GPT_SIZES)["gpt-152m"]
     base = [*gpt_overrides(dim, depth, heads, seq_len, batch), f"train.max_steps={steps}",
             f"train.log_every={max(1, steps // 8)}", "train.eval_every_steps=null",
             "ckpt.every_steps=null"]
     runs = {}
-    for label, extra in (("ddp2", []), ("tp2", [f"data.batch_size={2 * batch}",
-                                                  "parallel.tp.size=2"])):
-        records = train(out, f"gpt-{label}", "configs/gpt_text.yaml", *base, *extra, nproc=2)
-        runs[label] = records
-        figure("7", f"gpt-152m {label} tokens/s", f"{steady(records, 'tokens_per_s'):.0f}")
-        peak = peak_gib(out / f"gpt-{label}")
+    for name, extra in (("ddp2", []), (label, [f"data.batch_size={2 * batch}", *layout])):
+        records = train(out, f"gpt-{name}", "configs/gpt_text.yaml", *base, *extra, nproc=2)
+        runs[name] = records
+        figure(part_no, f"gpt-152m {name} tokens/s", f"{steady(records, 'tokens_per_s'):.0f}")
+        peak = peak_gib(out / f"gpt-{name}")
         planned = plan_total("configs/gpt_text.yaml", [*base, *extra], nproc=2)
-        figure("7", f"gpt-152m {label} peak/plan", f"{peak / planned:.2f}",
+        figure(part_no, f"gpt-152m {name} peak/plan", f"{peak / planned:.2f}",
                f"peak {peak:.3f} GiB, dtrain plan {planned:.3f} GiB")
-    pairs = list(zip(runs["tp2"], runs["ddp2"]))[:4]
+    pairs = list(zip(runs[label], runs["ddp2"]))[:4]
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
-    figure("7", "tp2 vs ddp2 bf16 losses", f"{worst:.4f}",
+    figure(part_no, f"{label} vs ddp2 bf16 losses", f"{worst:.4f}",
            f"largest relative difference over the first {len(pairs)} records; "
            f"{'within' if worst <= 0.02 else 'OUTSIDE'} bf16 tolerance 0.02")
