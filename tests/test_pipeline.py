@@ -67,14 +67,19 @@ def test_pp2_dp2_trains_as_ddp_on_four_ranks(runs) -> None:
     # Eight ranks on this two-core machine, beside other files' launches, can take minutes to
     # all reach the process group: a rendezvous that waits longer than the default 300 s.
     ("pp2_tp2_dp2", 8, [*PP2, "parallel.tp.size=2", "dist.init_timeout_s=900"]),
+    ("pp2_tp2_sequence_loss", 4, ["data.batch_size=16", "parallel.pp.size=2",
+                                  "parallel.tp.size=2", "parallel.tp.sequence_parallel=true",
+                                  "parallel.tp.loss_parallel=true"]),
     ("pp2_fsdp2_accum_clip", 4, ["data.batch_size=4", "train.grad_accum=2",
                                  "parallel.pp.size=2", "parallel.mode=fsdp",
                                  "parallel.pp.microbatches=2", "train.clip_grad_norm=0.05"]),
 ])
 def test_every_schedule_and_layout_trains_as_ddp(runs, tmp_path, name, nproc, extra) -> None:
     """GPipe, interleaved 1F1B (2 stages per rank), zero bubble, pp 2 x tp 2 x dp 2 on 8 ranks,
-    and pp 2 x FSDP 2 with accumulation and clipping (over the stages' norm, a maximum every
-    step reaches): the same losses as DDP on 4 ranks over 10 steps."""
+    pp 2 x tp 2 with sequence and loss parallelism (the tied embedding's gradient laid out as
+    the weight on both ends before they are summed), and pp 2 x FSDP 2 with accumulation and
+    clipping (over the stages' norm, a maximum every step reaches): the same losses as DDP on 4
+    ranks over 10 steps."""
     run_dir = tmp_path / name
     result = launch(run_dir, [*GPT, *extra, "train.max_steps=10"], nproc=nproc, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -204,10 +209,6 @@ def test_fp16_skips_the_steps_that_accumulation_skips(tmp_path) -> None:
     (["parallel.pp.size=2", "parallel.pp.microbatches=3"], 2,
      "3 does not divide data.batch_size 16"),
     (["parallel.pp.size=2", "model.lora.r=4"], 2, "parallel.pp.size=2 with model.lora"),
-    (["parallel.pp.size=2", "parallel.tp.size=2", "parallel.tp.sequence_parallel=true"], 4,
-     "parallel.pp.size=2 with parallel.tp.sequence_parallel"),
-    (["parallel.pp.size=2", "parallel.tp.size=2", "parallel.tp.loss_parallel=true"], 4,
-     "parallel.pp.size=2 with parallel.tp.loss_parallel"),
 ])
 def test_layouts_that_cannot_work_are_one_line(extra, nproc, message) -> None:
     """`dtrain plan` refuses each before any process group: one line, exit 2."""

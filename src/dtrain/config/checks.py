@@ -218,8 +218,6 @@ def _check_pipeline(cfg: Config) -> None:
         "parallel.replicas": cfg.parallel.replicas.groups > 0,
         "model.compile": cfg.model.compile,
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-        "parallel.tp.sequence_parallel": cfg.parallel.tp.sequence_parallel,
-        "parallel.tp.loss_parallel": cfg.parallel.tp.loss_parallel,
     }
     for key, on in refused.items():
         if on:

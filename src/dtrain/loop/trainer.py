@@ -236,7 +236,7 @@ class Trainer:
             fetched = [fetch() for _ in range(accum)]
             where.phase = "pipeline"
             began = time.perf_counter()
-            with precision.autocast():
+            with precision.autocast(), parallel.loss_context(self.model):
                 step_loss = self.pipe.train(fetched)
             # The stages wait for each other throughout: the whole schedule counts as exchange.
             exchange = time.perf_counter() - began

@@ -122,10 +122,16 @@ class Pipe:
         if self.tied_group is None or not self.tied:
             return
         for param in self.tied:
-            grad = param.grad
-            if grad is not None:
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                torch_dist.all_reduce(local, group=self.tied_group)
+            grad: Any = param.grad
+            if grad is None:
+                continue
+            placements = getattr(param, "placements", None)
+            if placements is not None and grad.placements != placements:
+                # (the first stage's may come back whole where the weight is split: laid out
+                # as the weight on both ends before they are summed)
+                grad = param.grad = grad.redistribute(grad.device_mesh, placements)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            torch_dist.all_reduce(local, group=self.tied_group)
 
     def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters the gradient norm counts: each weight once over the pipeline."""
