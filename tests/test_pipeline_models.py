@@ -79,6 +79,14 @@ def llama(tmp_path_factory):
     return root, job
 
 
+def _whole_names(run_dir, out) -> set[str]:
+    """The parameter names of the run's latest checkpoint converted to one file."""
+    converted = dtrain("convert", "--checkpoint", str(latest(run_dir)), "--to", "full",
+                       "--out", str(out))
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    return set(torch.load(out / "checkpoint.pt", weights_only=False)["model"])
+
+
 def test_a_hugging_face_decoder_is_cut_at_its_layers(llama) -> None:
     """pp 2 x dp 2 (1F1B, 4 micro-batches) of a Llama folder: DDP's losses on 4 ranks within
     1e-5 over 8 steps, the tied head's gradients summed between the stages; the checkpoint holds
@@ -97,17 +105,7 @@ def test_a_hugging_face_decoder_is_cut_at_its_layers(llama) -> None:
     _close(_losses(pp.run_dir), _losses(ddp.run_dir), range(1, 9))
     banner = re.sub(r"\n\S+ \S+ +", " ", pp.stderr)  # (its lines joined where it wraps them)
     assert "stage(s) [0] of 2, schedule 1f1b, 4 micro-batches a step" in banner
-    converted = dtrain(
-        "convert",
-        "--checkpoint",
-        str(latest(pp.run_dir)),
-        "--to",
-        "full",
-        "--out",
-        str(root / "one"),
-    )
-    assert converted.returncode == 0, converted.stderr[-2000:]
-    names = torch.load(root / "one" / "checkpoint.pt", weights_only=False)["model"].keys()
+    names = _whole_names(pp.run_dir, root / "one")
     import transformers
 
     whole = transformers.LlamaForCausalLM.from_pretrained(root / "llama").state_dict().keys()
@@ -150,17 +148,7 @@ def test_a_users_splitter_cuts_a_model_of_their_own(tmp_path) -> None:
     )
     assert one.returncode == 0 and pp.returncode == 0, (one.stderr[-2000:], pp.stderr[-2000:])
     _close(_losses(pp.run_dir), _losses(one.run_dir), range(1, 9))
-    converted = dtrain(
-        "convert",
-        "--checkpoint",
-        str(latest(pp.run_dir)),
-        "--to",
-        "full",
-        "--out",
-        str(tmp_path / "whole"),
-    )
-    assert converted.returncode == 0, converted.stderr[-2000:]
-    names = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["model"].keys()
+    names = _whole_names(pp.run_dir, tmp_path / "whole")
     assert {"embed.weight", "blocks.3.mlp.3.weight", "head.bias"} <= set(names)
     wrong = launch(
         tmp_path / "wrong",

@@ -104,9 +104,9 @@ class Pipeline(TensorParallel):
         mesh = self._mesh()
         if layout.tp > 1:  # the whole model split by its plan, then cut (the plan's names)
             check_divides(model, layout.tp, model_cfg.name)
-            ties = {id(p): n for n, p in model.named_parameters() if id(p) in tied}
+            tied_names = [n for n, p in model.named_parameters() if id(p) in tied]
             parallelize(model, plan_of(model, self.cfg.tp, model_cfg.name), mesh["tp"])
-            tied = {id(model.get_parameter(n)) for n in ties.values()}
+            tied = {id(model.get_parameter(n)) for n in tied_names}
         pp_rank = layout.env.rank // (layout.world_size // layout.pp)
         stage_ids = [pp_rank + k * layout.pp for k in range(pp_cfg.local_stages)]
         parts = [cut.part(s) for s in stage_ids]

@@ -297,11 +297,11 @@ def _in_flight_bytes(facts: plan_facts.ModelFacts, cfg: Config, size: int, micro
     most (fp32, traced), or nothing where the forward cannot be traced."""
     pp = cfg.parallel.pp
     held = parallel.stage_blocks(facts.model, pp, pp.size, cfg.model.name, facts.blocks)
-    make = getattr(tasks.build(cfg.task, facts.shapes.info), "example_input", None)
+    info = facts.shapes.info
+    make = getattr(tasks.build(cfg.task, info), "example_input", None)
+    if make is None:
+        return ""
     try:
-        if make is None:
-            return ""
-        info = facts.shapes.info
         sizes = footprint.stage_activations(facts.model, cfg, lambda n: make(info, n), held, size)
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow: the count alone
         return ""
