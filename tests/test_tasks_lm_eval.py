@@ -126,22 +126,30 @@ def lm_eval_on_the_exported_folder(run, tasks: Path, out: Path) -> tuple[dict, d
             for key, v in row.items() if key.endswith(",none") and "_stderr" not in key}, said
 
 
-def test_the_adapter_scores_what_lm_evals_hf_model_scores_on_the_exported_folder(run, tmp_path):
-    """Every metric as lm-eval's own; the generation task's answers are, for every other
-    prompt, the continuation lm-eval's model gives it, so that its exact match is 0.5 only
-    where dtrain's model continues each prompt as lm-eval's does."""
-    out = tmp_path / "exported"
+@pytest.fixture(scope="module")
+def crafted(run, tmp_path_factory) -> dict[str, Path]:
+    """The tasks with the generation task's answers, for every other prompt, the continuation
+    lm-eval's model gives it on the exported folder (the others a snowman): its exact match is
+    0.5 only where a model continues each prompt as lm-eval's does."""
+    out = tmp_path_factory.mktemp("exported") / "folder"
     _, said = lm_eval_on_the_exported_folder(run, run["tasks"], out)
-    tasks = tmp_path / "tasks"
+    tasks = tmp_path_factory.mktemp("crafted") / "tasks"
     shutil.copytree(run["tasks"], tasks)
     prompts = [json.loads(line)["prompt"] for line in (tasks / "gen.jsonl").read_text().splitlines()]
     write_jsonl(tasks / "gen.jsonl", [
         {"prompt": prompt, "answer": said[prompt] if i % 2 == 0 else "\u2603"}
         for i, prompt in enumerate(prompts)])
+    return {"tasks": tasks, "exported": out}
+
+
+def test_the_adapter_scores_what_lm_evals_hf_model_scores_on_the_exported_folder(run, crafted,
+                                                                                  tmp_path):
+    """Every metric as lm-eval's own, the crafted generation task's exact match 0.5."""
+    tasks = crafted["tasks"]
     ours = scores(dtrain("eval", "--run-dir", str(run["run"]), "--tasks", str(tasks),
                          timeout=300), run["run"])
     assert set(ours) == {"task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match"}
-    theirs, _ = lm_eval_on_the_exported_folder(run, tasks, out)
+    theirs, _ = lm_eval_on_the_exported_folder(run, tasks, crafted["exported"])
     assert ours == theirs and theirs["task_tiny_gen_exact_match"] == 0.5
     # From a folder outside any git repository: the same scores, and no line of git's (the
     # harness's own record of the machine, which would run `git describe` there, is not made).
@@ -239,6 +247,58 @@ def test_a_run_scores_its_tasks_at_each_evaluation_and_keeps_the_best_by_one(run
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = evaluations(scored.run_dir)[-1]
     assert last["step"] == 25 and "task_tiny_mc_acc" in last and "task_tiny_gen_exact_match" not in last
+
+
+ROLL_TASK = """\
+task: tiny_roll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: roll.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: "{{text}}"
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["data.batch_size=2", "parallel.pp.size=2", "parallel.pp.microbatches=2"],  # pp 2 x dp 2
+    ["data.batch_size=2", "parallel.tp.size=2"],  # dp 2 x tp 2
+], ids=["pp2_dp2", "dp2_tp2"])
+def test_a_run_split_by_tp_or_stages_scores_its_tasks_as_one_process(run, crafted, tmp_path,
+                                                                      layout):
+    """train.eval_tasks under tensor and pipeline parallelism: each tp group and pipeline scores
+    its batches between its ranks (a pipeline's last stage holds the logits, its token is every
+    rank's in generation); the record equals one process's `dtrain eval --tasks` on the
+    checkpoint: the choices, a rolling log-likelihood's perplexity (a continuous number, to
+    float tolerance) and the crafted generation task's exact match of 0.5, which the fixture's
+    one-process run of the same config and global batch made (a token taken from a stage
+    without logits, or batches split across a group, would change it)."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(crafted["tasks"], tasks)
+    (tasks / "roll.yaml").write_text(ROLL_TASK)
+    text = (run["root"] / "corpus.txt").read_text()
+    write_jsonl(tasks / "roll.jsonl", [{"text": text[1000 + 700 * i: 1500 + 700 * i]}
+                                       for i in range(4)])
+    split = launch(tmp_path / "runs" / "split", [
+        *LM, f"model.name=hf:{run['root'] / 'model'}", f"data.root={run['root'] / 'plain'}",
+        *layout, "train.max_steps=20", "optim.lr=0.01", "train.eval_every_steps=20",
+        f"train.eval_tasks=[{tasks}]"], nproc=4, timeout=600)
+    assert split.returncode == 0, split.stderr[-3000:]
+    [record] = evaluations(split.run_dir)
+    recorded = {k: v for k, v in record.items() if k.startswith("task_")}
+    one = scores(dtrain("eval", "--run-dir", str(split.run_dir), "--tasks", str(tasks),
+                        timeout=300), split.run_dir)
+    assert set(recorded) == set(one) == {
+        "task_tiny_mc_acc", "task_tiny_mc_acc_norm", "task_tiny_gen_exact_match",
+        "task_tiny_roll_word_perplexity", "task_tiny_roll_bits_per_byte"}
+    assert recorded == pytest.approx(one, rel=1e-5)
+    assert recorded["task_tiny_gen_exact_match"] == 0.5
 
 
 def test_bad_eval_tasks_are_one_line_and_exit_2(run, tmp_path) -> None:

@@ -214,7 +214,6 @@ def _check_pipeline(cfg: Config) -> None:
     refused = {
         "model.lora": cfg.model.lora.r is not None,
         "train.qat": cfg.train.qat.scheme is not None,
-        "train.eval_tasks": bool(cfg.train.eval_tasks),
         "parallel.replicas": cfg.parallel.replicas.groups > 0,
         "model.compile": cfg.model.compile,
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dtrain.models import GPT
-from dtrain.parallel import unwrap
+from dtrain.parallel import StageModel, unwrap
 from dtrain.process import dist
 from dtrain.tasks import logits_of
 
@@ -85,8 +85,26 @@ def gpt_generate(
     (wrapped; called, not unwrapped, so that FSDP gathers its weights); `vocab`: the
     tokenizer's size, when the model's vocabulary is padded beyond it (those ids are never
     chosen). Without `cached`, each step runs the whole sequence again."""
-    window = inner_gpt(model).seq_len
-    cache = inner_gpt(model).new_cache() if cached else None
+    gpt = inner_gpt(model)
+    cache = gpt.new_cache() if cached else None
+    return stepwise(model, ids, sampling, stop_ids, device, gpt.seq_len, vocab, cache, autocast)
+
+
+def stepwise(
+    model: Callable[..., Any],
+    ids: list[int],
+    sampling: Sampling,
+    stop_ids: frozenset[int],
+    device: torch.device,
+    window: int,
+    vocab: int | None = None,
+    cache: Any = None,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    source: int = 0,
+) -> Generated:
+    """Decoding one token a step by calling `model` on the tokens (with the built-in GPT's
+    `cache`, only those it has not seen); `source`: the rank whose token every rank takes (a
+    pipeline's last stage holds the logits)."""
     generator, tokens = _generator(sampling), list(ids)
     new: list[int] = []
     pending = list(ids)  # what the model has not seen yet
@@ -95,12 +113,13 @@ def gpt_generate(
             return Generated(new, "length")
         if len(tokens) == window:
             return Generated(new, "window")
-        step = torch.tensor([pending if cached else tokens], device=device)
+        step = torch.tensor([pending if cache is not None else tokens], device=device)
         with torch.no_grad(), autocast():
-            logits = logits_of(model(step, cache=cache) if cached else model(step))[0, -1]
+            logits = logits_of(model(step, cache=cache) if cache is not None else model(step))
+        logits = logits[0, -1]
         if vocab is not None and vocab < logits.numel():
             logits = logits[:vocab]
-        token = dist.broadcast_object(next_token(logits, sampling, generator))
+        token = dist.broadcast_object(next_token(logits, sampling, generator), source)
         if token in stop_ids:
             return Generated(new, "eos")
         tokens.append(token)
@@ -111,15 +130,24 @@ def gpt_generate(
 def is_built_in(model: nn.Module) -> bool:
     """Whether `model` is the built-in GPT (decoded here), not a Hugging Face model (peft's
     wrapper of a LoRA run has a `generate` of its own whatever it wraps: the modules say)."""
+    if isinstance(model, StageModel):  # (a pipeline stage's part holds blocks, not the GPT)
+        return model.built_in
     return any(isinstance(m, GPT) for m in model.modules())
 
 
 def window_of(model: nn.Module) -> int:
     """The model's context in tokens: the built-in GPT's, or a Hugging Face model's positions."""
+    if isinstance(model, StageModel):
+        return model.seq_len if model.built_in and model.seq_len else _positions(model.config)
     if is_built_in(model):
         return inner_gpt(model).seq_len
     inner: Any = unwrap(model)  # and inside a LoRA run's peft wrapper, the model it adapts
-    config = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
+    return _positions(
+        (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
+    )
+
+
+def _positions(config: Any) -> int:
     return int(
         getattr(config, "max_position_embeddings", None)
         or getattr(config, "n_positions", None)

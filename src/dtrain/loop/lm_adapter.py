@@ -9,11 +9,14 @@ beginning-of-sequence token before a text with nothing before it), so that the n
 the harness's own on the exported folder.
 
 The harness sees one process: every rank is handed every request and computes every metric.
-The forwards are spread here: the scoring batches go round the ranks, every rank runs as many
-forwards as every other (FSDP gathers each block's weights for all of them at once; a rank
-short of a batch runs its first one again and throws the answer away), and the answers are
-gathered to every rank. Generation runs in step on every rank, one request at a time (rank 0's
-token is every rank's), as `dtrain generate` decodes. This module imports lm-eval: it is loaded
+The forwards are spread here: the scoring batches go round the groups of ranks that run a batch
+together (each rank, or under tensor and pipeline parallelism each tp group and pipeline:
+`parallel.Spread`), every group runs as many forwards as every other (FSDP gathers each block's
+weights for all of them at once; a group short of a batch runs its first one again and throws
+the answer away), and the answers of the ranks that hold logits are gathered to every rank.
+Generation runs in step on every rank, one request at a time (the token of a rank that holds
+logits is every rank's), as `dtrain generate` decodes; a pipeline's stages, which keep no cache,
+run the whole sequence again at each step. This module imports lm-eval: it is loaded
 only after `lm_tasks` has found it.
 """
 
@@ -28,9 +31,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
-from dtrain.loop.decode import Sampling, gpt_generate, hf_generate
+from dtrain.loop.decode import Sampling, gpt_generate, hf_generate, stepwise
 from dtrain.models.tokenizer import RunTokenizer
-from dtrain.parallel import unwrap
+from dtrain.parallel import Evaluator, Spread, unwrap
 from dtrain.process import dist
 from dtrain.tasks import logits_of
 
@@ -42,7 +45,8 @@ Scored = tuple[float, bool]  # a continuation's log-likelihood, and whether gree
 class DtrainLM(TemplateLM):
     """`model` (as built for this launch, in eval mode), `tokenizer` (the run's), `window`: the
     model's context in tokens; `built_in`: the built-in GPT (decoded with its cache, its logits
-    cut to the tokenizer's vocabulary), else a Hugging Face model (its own `generate`)."""
+    cut to the tokenizer's vocabulary), else a Hugging Face model (its own `generate`);
+    `spread`: which ranks score together (None: each rank its own batches)."""
 
     def __init__(
         self,
@@ -53,11 +57,13 @@ class DtrainLM(TemplateLM):
         built_in: bool,
         batch_size: int = 8,
         autocast: Callable[[], Any] = contextlib.nullcontext,
+        spread: Spread | None = None,
     ) -> None:
         super().__init__()
         self.model, self.run_tokenizer, self.window = model, tokenizer, window
         self._device, self.built_in, self.batch_size = device, built_in, max(1, batch_size)
         self.autocast = autocast
+        self.spread = spread or Spread(dist.world_size(), dist.rank())
 
     # --- what the harness asks of a TemplateLM
 
@@ -140,12 +146,12 @@ class DtrainLM(TemplateLM):
 
     def scored(self, pairs: list[tuple[list[int], list[int]]]) -> list[Scored]:
         """The log-likelihood of each (context, continuation), the longest first in batches
-        that go round the ranks; every rank gets every answer."""
+        that go round the groups; every rank gets every answer."""
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        ranks, rank = dist.world_size(), dist.rank()
-        mine = batches[rank::ranks]
-        rounds = -(-len(batches) // ranks)  # every rank runs as many forwards
+        groups = self.spread.groups
+        mine = batches[self.spread.group :: groups]
+        rounds = -(-len(batches) // groups)  # every group runs as many forwards
         answers: dict[int, Scored] = {}
         for round_ in range(rounds):
             if round_ < len(mine):
@@ -154,7 +160,7 @@ class DtrainLM(TemplateLM):
             elif batches:
                 self._forward([pairs[i] for i in batches[0]])  # in step with the others
         gathered: dict[int, Scored] = {}
-        for part in dist.gather_objects(answers):
+        for part in dist.gather_objects(answers if self.spread.counts else {}):
             gathered.update(part)
         return [gathered[i] for i in range(len(pairs))]
 
@@ -184,6 +190,19 @@ class DtrainLM(TemplateLM):
     def _generated(self, ids: list[int], new: int) -> list[int]:
         sampling = Sampling(new, 0.0, None, None, 0)
         stop = self.run_tokenizer.stop_ids
+        if isinstance(self.model, Evaluator):  # a pipeline's stages, one after another
+            vocab = self.run_tokenizer.size if self.built_in else None
+            return stepwise(
+                self.model,
+                ids,
+                sampling,
+                stop,
+                self._device,
+                self.window,
+                vocab,
+                autocast=self.autocast,
+                source=self.spread.source,
+            ).ids
         if self.built_in:
             vocab = self.run_tokenizer.size
             return gpt_generate(

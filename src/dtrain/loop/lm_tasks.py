@@ -18,11 +18,12 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from dtrain import parallel
 from dtrain.config.checks import TASK_METRIC
 from dtrain.core.errors import UserError, first_line
 from dtrain.core.imports import require
@@ -149,9 +150,11 @@ def evaluate_tasks(
     device: torch.device,
     batch_size: int,
     autocast: Callable[[], Any] = contextlib.nullcontext,
+    spread: parallel.Spread | None = None,
 ) -> dict[str, float]:
-    """Every task scored by `model` (in eval mode for the call) on every rank together; the
-    metrics, the same on every rank. The process's random state is left as it was (the
+    """Every task scored by `model` (in eval mode for the call) on every rank together, `spread`
+    over them as the layout's mesh runs batches (None: each rank its own); the metrics, the same
+    on every rank. The process's random state is left as it was (the
     harness's seeding is not asked for: nothing here draws)."""
     lm_eval = harness("task evaluation")
     from lm_eval.tasks import TaskManager
@@ -162,7 +165,14 @@ def evaluate_tasks(
     was_training = model.training
     model.eval()
     adapter = DtrainLM(
-        model, tokenizer, window_of(model), device, is_built_in(model), batch_size, autocast
+        cast(nn.Module, parallel.runnable(model)),  # (a pipeline's stages one after another)
+        tokenizer,
+        window_of(model),
+        device,
+        is_built_in(model),
+        batch_size,
+        autocast,
+        spread,
     )
     quiet = logging.getLogger("lm_eval")
     level = quiet.level

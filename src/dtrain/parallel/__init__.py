@@ -52,6 +52,8 @@ __all__ = [
     "Counted",
     "Evaluator",
     "Pipe",
+    "Spread",
+    "StageModel",
     "Strategy",
     "average_buffers",
     "bubble",
@@ -68,6 +70,7 @@ __all__ = [
     "pipeline_of",
     "runnable",
     "reshard",
+    "spread",
     "split_names",
     "strategy",
     "unwrap",
@@ -149,3 +152,25 @@ def whole_shapes(model: nn.Module) -> dict[str, tuple] | None:
     """The names and full shapes of the whole model where this rank holds a pipeline stage's
     part of it (what a checkpoint of any layout holds), else None."""
     return model.whole_shapes if isinstance(model, StageModel) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """How the ranks share the texts a task evaluation scores: `groups` of ranks that each run
+    batches of their own (a tp group or a pipeline runs each of its batches between its ranks),
+    this rank's `group`, whether its logits `count` (a pipeline's earlier stages have none) and
+    `source`: a rank that holds logits, whose token every rank takes when they generate."""
+
+    groups: int
+    group: int
+    counts: bool = True
+    source: int = 0
+
+
+def spread(layout: Layout, model: nn.Module) -> Spread:
+    """The groups of the layout's mesh that score together, for the model as built."""
+    pipe = pipeline_of(model)
+    if pipe is None:
+        return Spread(layout.data_ranks, layout.data_rank)
+    last_stage = layout.world_size - layout.world_size // layout.pp  # its first rank
+    return Spread(layout.data_ranks, layout.data_rank, pipe.last, last_stage)

@@ -24,6 +24,7 @@ from torch import nn
 
 from dtrain.config import ModelConfig, ParallelConfig, PipelineConfig
 from dtrain.core.errors import UserError
+from dtrain.models import GPT
 from dtrain.parallel.blocks import checkpoint_activations
 from dtrain.parallel.cuts import Part, cut_of
 from dtrain.parallel.pipe import Pipe
@@ -204,6 +205,11 @@ class StageModel(nn.Module):
             parent.add_module(attr, module)
             placed.append(path)
         self.pipe = pipe
+        # What decoding asks of the whole model (train.eval_tasks under a pipeline): whether
+        # it is the built-in GPT, and its window (the GPT's, a Hugging Face config's positions).
+        self.built_in = isinstance(whole, GPT)
+        self.seq_len: int | None = getattr(whole, "seq_len", None)
+        self.config: Any = getattr(whole, "config", None)
 
     def forward(self, *_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("a pipeline stage's model runs through its schedule (parallel.pp)")

@@ -151,12 +151,12 @@ def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
     return bool(value.item())
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank."""
+def broadcast_object(obj: Any, source: int = 0) -> Any:
+    """Rank `source`'s `obj` on every rank."""
     if not is_distributed():
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=source)
     return box[0]
 
 

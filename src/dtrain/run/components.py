@@ -115,7 +115,7 @@ def build_callbacks(
     if spec.qat is not None:
         callbacks.step_end.append(_fake_quantization_from_its_step(spec, learner.model, state))
     if eval_tasks is not None:
-        scores = task_scores(eval_tasks, learner, layout.device, layout.batch_size)
+        scores = task_scores(eval_tasks, learner, layout)
         callbacks.evaluation_metrics.append(scores)
     if layout.env.slurm_job_id and dist.is_main():
         job_id = layout.env.slurm_job_id

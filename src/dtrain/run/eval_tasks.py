@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from dtrain import parallel
 from dtrain.config import Config
 from dtrain.core.errors import UserError
 from dtrain.loop import lm_tasks
 from dtrain.loop.components import Learner
 from dtrain.models.tokenizer import RunTokenizer, run_tokenizer
+from dtrain.process.layout import Layout
 
 WHERE = "config error: train.eval_tasks"
 COMMAND = "train"  # how the tokenizer's lines begin ("train error: ..."), reworded to WHERE
@@ -56,20 +56,21 @@ def read_eval_tasks(cfg: Config) -> EvalTasks | None:
 
 
 def task_scores(
-    found: EvalTasks, learner: Learner, device: torch.device, batch_size: int
+    found: EvalTasks, learner: Learner, layout: Layout
 ) -> Callable[[], dict[str, float]]:
     """The hook that scores the tasks with the model as it is, on every rank together (the
-    trained weights, in the run's precision, `batch_size` texts per forward as `dtrain eval
-    --tasks` scores them)."""
+    trained weights, in the run's precision, a batch of texts per forward as `dtrain eval
+    --tasks` scores them, each tp group or pipeline running its batches between its ranks)."""
 
     def scores() -> dict[str, float]:
         return lm_tasks.evaluate_tasks(
             found.tasks,
             learner.model,
             found.tokenizer,
-            device,
-            batch_size,
+            layout.device,
+            layout.batch_size,
             learner.precision.autocast,
+            parallel.spread(layout, learner.model),
         )
 
     return scores
