@@ -8,6 +8,7 @@ are one line and exit 2 before any process group."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -265,3 +266,58 @@ def test_plan_counts_sequence_parallel_norms_as_replicated(capsys) -> None:
         assert cli.main(["plan", "--nproc", "4", *GPT, *TP2, *extra]) == 0
         lines.append([l for l in capsys.readouterr().out.splitlines() if "state per rank" in l])
     assert lines[0] and lines[0] == lines[1], lines
+
+
+SAVED_ON_A_TP_RANK = """\
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from dtrain import config, models, tasks
+from dtrain.commands.plan import facts as plan_facts
+from dtrain.parallel.tensor import parallelize, plan_of
+cfg = config.load(None, json.loads(sys.argv[1]))
+info = plan_facts.model_facts(cfg, 2, 1).shapes.info
+dist.init_process_group("gloo")
+model = models.build(cfg.model, info, 0)
+parallelize(model, plan_of(model, cfg.parallel.tp, "gpt"), init_device_mesh("cpu", (2,)))
+params = {id(p) for p in model.parameters()}
+saved = {}
+def pack(t):
+    base = t._base if t._base is not None else t
+    if id(base) not in params:
+        local = base.to_local() if isinstance(base, DTensor) else base
+        saved[id(base)] = (base, local.numel() * local.element_size())
+    return t
+x = tasks.build(cfg.task, info).example_input(info, cfg.data.batch_size)
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    model(x)
+print(json.dumps({"rank": dist.get_rank(), "saved": sum(size for _, size in saved.values())}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence"])
+def test_plan_counts_the_activations_a_tp_rank_keeps(tmp_path, capsys, sequence_parallel):
+    """`dtrain plan`'s activations per rank under tp (the model split by its plan over a
+    pretended group, traced on fake tensors) are what each real rank of a tp group on gloo
+    saves for its backward, by its local parts (sequence parallelism's split norms too); the
+    plan leaves no process group behind, and says nothing of the kind without tp."""
+    from dtrain.commands.plan import command as plan
+    overrides = [*GPT, "data.batch_size=6", "parallel.tp.size=2",
+                 f"parallel.tp.sequence_parallel={str(sequence_parallel).lower()}"]
+    script = tmp_path / "saved.py"
+    script.write_text(SAVED_ON_A_TP_RANK)
+    done = forkserver.run([*torchrun_cmd(2), str(script), json.dumps(overrides)], cwd=REPO,
+                          env=child_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # (the two ranks' lines may interleave)
+    measured = [int(n) for n in re.findall(r'"saved": (\d+)\}', done.stdout)]
+    assert len(measured) == 2 and measured[0] == measured[1] > 0, done.stdout
+    assert cli.main(["plan", "--nproc", "2", *overrides]) == 0
+    shown = capsys.readouterr().out
+    assert (f"activations per rank: {plan.size_text(measured[0])} in fp32 for a batch of 6 "
+            f"(a tp rank's part, traced)") in shown, shown
+    assert not torch.distributed.is_initialized()
+    whole = cli.main(["plan", "--nproc", "2", *GPT, "data.batch_size=6"])
+    assert whole == 0 and "activations per rank" not in capsys.readouterr().out

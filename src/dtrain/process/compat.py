@@ -7,9 +7,10 @@ instead of somewhere in a training run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import torch
@@ -289,6 +290,21 @@ def dcp_set_element(state: dict[str, Any], path: Any, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state, path, value)
+
+
+@contextlib.contextmanager
+def pretended_mesh(size: int) -> Iterator[Any]:
+    """A one-dimensional device mesh of `size` ranks on a process group whose collectives do
+    nothing (torch's fake backend: no other process, no port), this process its rank 0: a model
+    split over it traces the forward that rank 0 of a real group runs. Destroyed on leaving."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        torch_dist.destroy_process_group()
 
 
 def fake_tensor_mode() -> Any:

@@ -266,12 +266,35 @@ def _mesh_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
     where = "" if pp == 1 else f" (stage rank {states.index(state)}, the largest)"
     count = sum(p.numel() for n, p in facts.model.named_parameters() if n in split)
     over = f"{count / 1e6:.3f} M parameters split over tp, the rest replicated in each group; "
-    return [
-        *lines,
+    lines.append(
         f"              the state per rank{where}: params {size_text(state['params'])}, grads "
         f"{size_text(state['grads'])}, optimizer {size_text(state['optimizer'])} "
-        f"({over if tp > 1 else ''}then over {shards} data shard(s))",
-    ]
+        f"({over if tp > 1 else ''}then over {shards} data shard(s))"
+    )
+    split_activations = _split_activations(facts, cfg) if tp > 1 and pp == 1 else None
+    if split_activations is not None:
+        lines.append(
+            f"              activations per rank: {size_text(split_activations)} in fp32 for a "
+            f"batch of {layout.batch_size} (a tp rank's part, traced)"
+        )
+    return lines
+
+
+def _split_activations(facts: plan_facts.ModelFacts, cfg: Config) -> int | None:
+    """What one micro-batch's forward keeps for the backward on a rank of a tp group (fp32,
+    traced with the model split by its plan), or None where the forward cannot be traced."""
+    info = facts.shapes.info
+    make = getattr(tasks.build(cfg.task, info), "example_input", None)
+    if make is None:
+        return None
+    key = "checkpointed" if cfg.model.activation_checkpointing else "full"
+    try:
+        traced = footprint.traced_activations(
+            facts.model, cfg, lambda n: make(info, n), torch.float32, {"fp32": None}, split=True
+        )
+    except Exception:  # noqa: BLE001 - a model the tracer cannot follow: the state alone
+        return None
+    return traced["fp32"][key]
 
 
 def _pipeline_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:

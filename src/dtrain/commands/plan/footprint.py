@@ -6,13 +6,15 @@ state layout), checkpoint size, activation bytes saved for the backward, communi
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtrain import parallel
 from dtrain.checkpoint.load import trained_shapes
@@ -20,6 +22,7 @@ from dtrain.config import Config, registry
 from dtrain.loop.optim import StateShape
 from dtrain.models.spec import spec_of
 from dtrain.parallel.sharded_init import shard_rows
+from dtrain.parallel.tensor import parallelize, plan_of
 from dtrain.process import compat
 
 # RNG states (~15 KiB per rank), the resolved config and the small training state in a checkpoint.
@@ -181,7 +184,8 @@ def _trace_saved(
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
         if id(base) not in param_ids and id(base) not in seen:
-            seen[id(base)] = (base, base.numel() * base.element_size(), current[0])
+            local = base.to_local() if isinstance(base, DTensor) else base  # (this rank's part)
+            seen[id(base)] = (base, local.numel() * local.element_size(), current[0])
         return t
 
     def enter(index: int) -> Callable:
@@ -228,16 +232,17 @@ def traced_activations(
     example: Callable[[int], Any],
     weights: torch.dtype,
     kinds: dict[str, torch.dtype | None],
+    split: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Saved-for-backward bytes of one micro-batch of `data.batch_size` with `weights` for each
     kind (name -> autocast dtype or None): without ("full") and with ("checkpointed")
     activation checkpointing, and the largest block's own ("block"); one pair of traced
     forwards gives all three. Two forwards (2 and 4 samples) separate what grows with the
     batch from what does not (autocast's copies of the weights); 2, not 1, because BatchNorm
-    refuses one sample."""
+    refuses one sample. With `split`, what one rank of a tp group saves (`_as_tp_rank`)."""
     model = copy.deepcopy(meta_model).to(weights)
-    blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
-    with compat.fake_tensor_mode():  # shapes and dtypes only, no memory
+    with _as_tp_rank(model, cfg, split), compat.fake_tensor_mode():  # shapes only, no memory
+        blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
         model.to_empty(device="cpu").train()
         return _retained(model, blocks, cfg, example, weights, kinds)
 
@@ -252,11 +257,11 @@ def stage_activations(
     """fp32 saved-for-backward bytes of one micro-batch of `micro` samples on each pipeline
     stage rank, which holds the blocks `stage_blocks[r]` (indices of the model's blocks; the
     first rank the embeddings, the last the head), with activation checkpointing as the config
-    says."""
+    says, and under tensor parallelism what one rank of the stage's tp group keeps."""
     model = copy.deepcopy(meta_model)
-    blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
     checkpointing = cfg.model.activation_checkpointing
-    with compat.fake_tensor_mode():
+    with _as_tp_rank(model, cfg, cfg.parallel.tp.size > 1), compat.fake_tensor_mode():
+        blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
         model.to_empty(device="cpu").train()
         two, four = (_trace_saved(model, blocks, example(n), None) for n in (2, 4))
     sizes = []
@@ -267,6 +272,21 @@ def stage_activations(
         per_sample = (at_four - at_two) / 2
         sizes.append(int(at_two + per_sample * (micro - 2)))
     return sizes
+
+
+@contextlib.contextmanager
+def _as_tp_rank(model: nn.Module, cfg: Config, split: bool) -> Iterator[None]:
+    """With `split`, `model` (on the meta device) split by its tp plan over a pretended mesh of
+    parallel.tp.size ranks, for the while: its forward then saves, as DTensors, what the first
+    rank of a real tp group saves (sequence parallelism's split norms included); each is
+    counted by its local part."""
+    if not split:
+        yield
+        return
+    tp = cfg.parallel.tp
+    with compat.pretended_mesh(tp.size) as mesh:
+        parallelize(model, plan_of(model, tp, cfg.model.name), mesh)
+        yield
 
 
 def _retained(
