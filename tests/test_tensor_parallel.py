@@ -151,15 +151,21 @@ def test_the_checkpoint_reads_back_at_any_world_size(runs, tmp_path, capsys) -> 
 
 
 def test_a_hugging_face_model_splits_by_its_own_plan(tmp_path) -> None:
-    """A Llama folder (grouped-query attention) with its config's base_model_tp_plan: dp 2 x tp 2
-    trains as DDP on 4 ranks does; GPT-2, whose config has no plan, is refused in one line."""
+    """A Llama folder (grouped-query attention, a tied head) with its config's
+    base_model_tp_plan: dp 2 x tp 2 trains as DDP on 4 ranks does, and so it does with loss
+    parallelism (the head split by vocabulary, the tied embedding by the same rows, the logits
+    left split for the loss); GPT-2, whose config has no plan, is refused in one line, and so is
+    loss parallelism over a vocabulary that tp does not divide."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=600, max_position_embeddings=128)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    llama = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                 tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama, vocab_size=600)
+                                  ).save_pretrained(tmp_path / "llama")
+    transformers.LlamaConfig(**llama, vocab_size=601, architectures=["LlamaForCausalLM"]
+                             ).save_pretrained(tmp_path / "odd")
     gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=600, n_positions=64)
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
     tokens = token_folder(tmp_path / "tokens")
@@ -168,18 +174,31 @@ def test_a_hugging_face_model_splits_by_its_own_plan(tmp_path) -> None:
            "optim.name=adamw", "optim.lr=0.003", "ckpt.monitor=val_loss",
            "ckpt.monitor_mode=min", "train.eval_every_epochs=0", "train.max_steps=8"]
     ddp = launch(tmp_path / "runs" / "ddp", [*job, "data.batch_size=2"], nproc=4)
-    tp = launch(tmp_path / "runs" / "tp", [*job, "data.batch_size=4", "parallel.tp.size=2"],
-                nproc=4)
-    assert ddp.returncode == 0 and tp.returncode == 0, (ddp.stderr[-2000:], tp.stderr[-2000:])
-    _close(_losses(tp.run_dir), _losses(ddp.run_dir), range(1, 9))
-    refused = dtrain("plan", "--nproc", "4", *job, f"model.name=hf:{tmp_path / 'gpt2'}",
-                     "parallel.tp.size=2")
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines()[-1] == (
-        f"dtrain: config error: parallel.tp.size: model hf:{tmp_path / 'gpt2'} has no "
-        f"tensor-parallel plan (the built-in gpt has one, a Hugging Face model its config's "
-        f"base_model_tp_plan); give one (parallel.tp.plan=module:function) or set "
-        f"parallel.tp.size=1")
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    held = {}
+    for name, extra in (("tp", []), ("tp_loss", ["parallel.tp.loss_parallel=true"])):
+        tp = launch(tmp_path / "runs" / name,
+                    [*job, "data.batch_size=4", "parallel.tp.size=2", *extra], nproc=4)
+        assert tp.returncode == 0, tp.stderr[-2000:]
+        _close(_losses(tp.run_dir), _losses(ddp.run_dir), range(1, 9))
+        records = [json.loads(l) for l in (tp.run_dir / "metrics.jsonl").read_text().splitlines()]
+        held[name] = next(r["state_bytes"] for r in records if "state_bytes" in r)
+    # The tied embedding and head (600 x 64) split in two: half of their weight, gradient and
+    # AdamW's two moments fewer bytes on each rank.
+    assert held["tp"] - held["tp_loss"] == 600 * 64 // 2 * 4 * 4, held
+    for model, extra, said in (
+        (f"hf:{tmp_path / 'gpt2'}", [], "parallel.tp.size: model {} has no tensor-parallel plan (the built-in gpt "
+                     "has one, a Hugging Face model its config's base_model_tp_plan); give one "
+                     "(parallel.tp.plan=module:function) or set parallel.tp.size=1"),
+        (f"hf-config:{tmp_path / 'odd'}", ["parallel.tp.loss_parallel=true"],
+         "parallel.tp.loss_parallel: 2 does not divide model {}'s vocab_size (601); choose a "
+         "size that divides it or drop the option"),
+    ):
+        refused = dtrain("plan", "--nproc", "4", *job, f"model.name={model}",
+                         "parallel.tp.size=2", *extra)
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"dtrain: config error: {said.format(model)}")
 
 
 @pytest.mark.parametrize("nproc, extra, line", [
@@ -204,8 +223,8 @@ def test_a_hugging_face_model_splits_by_its_own_plan(tmp_path) -> None:
     (4, ["parallel.tp.loss_parallel=true"],
      "parallel.tp.loss_parallel splits logits over the tp group, and parallel.tp.size is 1"),
     (4, ["parallel.tp.size=2", "parallel.tp.loss_parallel=true", "parallel.tp.plan=os:getcwd"],
-     "parallel.tp.loss_parallel: dtrain splits the built-in gpt by vocabulary for its loss, not "
-     "model gpt with its plan"),
+     "parallel.tp.loss_parallel: dtrain splits the logits of the built-in gpt and of a Hugging "
+     "Face model by its own plan, not model gpt with a plan function"),
     (4, ["parallel.tp.size=2", "parallel.tp.loss_parallel=true", "model.name=simple_cnn",
          "model.args={}", "data.name=synthetic", "task.name=classification",
          "ckpt.monitor=val_acc", "ckpt.monitor_mode=max"],

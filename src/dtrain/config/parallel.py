@@ -76,7 +76,8 @@ class TensorParallelConfig:
     )
     loss_parallel: bool = option(
         False,
-        doc="the built-in gpt's logits left split by vocabulary over the tp group in training, "
+        doc="the logits of the built-in gpt or of a Hugging Face model split by its own plan "
+        "left split by vocabulary over the tp group in training, "
         "the language model's cross-entropy computed on the parts (logits 1/tp of their size; "
         "no all-gather of them)",
     )

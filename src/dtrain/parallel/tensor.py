@@ -264,9 +264,12 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 
-def hf_styles(model: nn.Module) -> Styles:
+def hf_styles(model: nn.Module, loss_parallel: bool = False) -> Styles:
     """A Hugging Face model's own plan (`base_model_tp_plan` of its config: module name
-    patterns of its base model and how each is split)."""
+    patterns of its base model and how each is split); with `loss_parallel`, its output head
+    split by vocabulary besides (as the model's own `_tp_plan` splits it), its logits left split
+    for the loss, and a tied input embedding split by the same rows, so that the two stay one
+    weight."""
     wanted = getattr(model.config, "base_model_tp_plan", None) or {}
     unknown = sorted({style for style in wanted.values() if style not in HF_STYLES})
     if unknown:
@@ -277,7 +280,16 @@ def hf_styles(model: nn.Module) -> Styles:
         )
     prefix = getattr(model, "base_model_prefix", "")
     under = prefix if prefix and hasattr(model, prefix) else ""
-    return Styles({name: HF_STYLES[style] for name, style in wanted.items()}, under)
+    styles = {name: HF_STYLES[style] for name, style in wanted.items()}
+    if not loss_parallel:
+        return Styles(styles, under)
+    names = {id(m): n for n, m in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()  # type: ignore[operator]
+    whole = {f"{under}.{n}" if under else n: style for n, style in styles.items()}
+    whole[names[id(head)]] = SplitLogits
+    if head.weight is embedding.weight:
+        whole[names[id(embedding)]] = functools.partial(RowwiseParallel, input_layouts=Replicate())
+    return Styles(whole)
 
 
 def plan_of(model: nn.Module, cfg: TensorParallelConfig, model_name: str) -> Plan:
@@ -285,23 +297,37 @@ def plan_of(model: nn.Module, cfg: TensorParallelConfig, model_name: str) -> Pla
     with none is refused in one line."""
     from dtrain.models import GPT  # (models import nothing of parallel)
 
-    builtin = cfg.plan == "auto" and isinstance(model, GPT)
-    for option, how in (
-        ("sequence_parallel", "by sequence"),
-        ("loss_parallel", "by vocabulary for its loss"),
-    ):
-        if getattr(cfg, option) and not builtin:
-            raise UserError(
-                f"config error: parallel.tp.{option}: dtrain splits the built-in gpt {how}, "
-                f"not model {model_name} with its plan; drop the option, or apply it in a plan "
-                f"function of your own (parallel.tp.plan=module:function)"
-            )
+    config = getattr(model, "config", None)
+    own = cfg.plan == "auto"
+    gpt, hf = (
+        own and isinstance(model, GPT),
+        own and bool(getattr(config, "base_model_tp_plan", None)),
+    )
+    if cfg.sequence_parallel and not gpt:
+        raise UserError(
+            f"config error: parallel.tp.sequence_parallel: dtrain splits the built-in gpt by "
+            f"sequence, not model {model_name} with its plan; drop the option, or apply it in a "
+            f"plan function of your own (parallel.tp.plan=module:function)"
+        )
+    if cfg.loss_parallel and not (gpt or hf):
+        raise UserError(
+            f"config error: parallel.tp.loss_parallel: dtrain splits the logits of the built-in "
+            f"gpt and of a Hugging Face model by its own plan, not model {model_name} with a "
+            f"plan function; drop the option, or leave the logits split in your plan"
+        )
+    vocab = int(getattr(config, "vocab_size", 0))
+    if hf and cfg.loss_parallel and vocab % cfg.size:
+        raise UserError(
+            f"config error: parallel.tp.loss_parallel: {cfg.size} does not divide model "
+            f"{model_name}'s vocab_size ({vocab}); choose a size that divides it or drop the "
+            f"option"
+        )
     if cfg.plan != "auto":
         return load_callable(cfg.plan, "parallel.tp.plan")
-    if isinstance(model, GPT):
+    if gpt:
         return Styles(gpt_styles(cfg))
-    if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
-        return hf_styles(model)
+    if hf:
+        return hf_styles(model, cfg.loss_parallel)
     raise UserError(
         f"config error: parallel.tp.size: model {model_name} has no tensor-parallel plan (the "
         f"built-in gpt has one, a Hugging Face model its config's base_model_tp_plan); give "
