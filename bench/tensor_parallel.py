@@ -84,6 +84,16 @@ def _split(model, mesh) -> None:
     """The Megatron split over mesh["tp"], then FSDP over the data dimensions: what both
     hand-written sides do with torch's own APIs."""
     from torch.distributed.fsdp import fully_shard
+
+    tp_split(model, mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def tp_split(model, tp_mesh) -> None:
+    """The Megatron split of the GPT over `tp_mesh` (the fused qkv regrouped by heads), the
+    head tied to the embedding again, the norms and positions replicated DTensors."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -99,14 +109,11 @@ def _split(model, mesh) -> None:
         plan.update({f"blocks.{i}.attn.qkv": FusedColwise(3),
                      f"blocks.{i}.attn.proj": RowwiseParallel(),
                      f"blocks.{i}.mlp.0": ColwiseParallel(), f"blocks.{i}.mlp.2": RowwiseParallel()})
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model, tp_mesh, plan)
     model.head.weight = model.tok_emb.weight
     # The norms and positions: whole on every rank of the group, as DTensors of the tp mesh.
     for sub in [model.pos_emb, model.norm, *(m for b in model.blocks for m in (b.norm1, b.norm2))]:
-        Replicated()._apply(sub, mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        Replicated()._apply(sub, tp_mesh)
 
 
 def _tokens(data_rank: int):
