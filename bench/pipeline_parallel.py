@@ -133,11 +133,36 @@ def _loss_fn(logits, target):
     return F.cross_entropy(flat, target[:, 1:].reshape(-1)) / MICRO
 
 
+def _steps(stage, part, data_rank: int, sum_tied) -> list[float]:
+    """STEPS of 1F1B over `stage` (the first stage feeds the tokens, the last the targets), the
+    tied weight's gradients summed by `sum_tied`, AdamW; the clock at every LOG_EVERY steps."""
+    import torch
+    from torch.distributed.pipelining import Schedule1F1B
+
+    schedule = Schedule1F1B(stage, MICRO, loss_fn=_loss_fn, scale_grads=False)
+    optimizer = torch.optim.AdamW(part.parameters(), lr=0.003)
+    gen = torch.Generator().manual_seed(data_rank)  # one stream of batches per pipeline
+    tokens = torch.randint(0, 256, (64, BATCH, SEQ + 1), generator=gen)
+    ends = []
+    for step in range(STEPS):
+        batch = tokens[step % len(tokens)]
+        if stage.is_first:
+            schedule.step(batch[:, :-1])
+        else:
+            schedule.step(target=batch, losses=[])
+        sum_tied()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % LOG_EVERY == 0:
+            ends.append(time.perf_counter())
+    return ends
+
+
 def plain_loop(out: str) -> None:
     """The hand-written side, one rank of it."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage
 
     from dtrain.models import GPT
 
@@ -148,23 +173,8 @@ def plain_loop(out: str) -> None:
     part = _stages(gpt, rank == 0)
     tied = gpt.tok_emb.weight
     stage = PipelineStage(part, rank, PP, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, MICRO, loss_fn=_loss_fn, scale_grads=False)
-    optimizer = torch.optim.AdamW(part.parameters(), lr=0.003)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (64, BATCH, SEQ + 1), generator=gen)
-    ends = []
-    for step in range(STEPS):
-        batch = tokens[step % len(tokens)]
-        if rank == 0:
-            schedule.step(batch[:, :-1])
-        else:
-            schedule.step(target=batch, losses=[])
-        assert tied.grad is not None
-        dist.all_reduce(tied.grad)  # the embedding's and the head's gradients of the tied weight
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0:
-            ends.append(time.perf_counter())
+    # The embedding's and the head's gradients of the tied weight, summed between the two ends.
+    ends = _steps(stage, part, 0, lambda: dist.all_reduce(tied.grad))
     if rank == 0:
         Path(out).write_text(json.dumps({"ends": ends}))
     dist.destroy_process_group()
@@ -177,7 +187,7 @@ def plain_3d_loop(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage
 
     from dtrain.models import GPT
 
@@ -194,23 +204,9 @@ def plain_3d_loop(out: str) -> None:
     tied = part.tok_emb.weight if pp_rank == 0 else part.head.weight
     pp_group = mesh["pp"].get_group()
     stage = PipelineStage(part, pp_rank, PP, torch.device("cpu"), group=pp_group)
-    schedule = Schedule1F1B(stage, MICRO, loss_fn=_loss_fn, scale_grads=False)
-    optimizer = torch.optim.AdamW(part.parameters(), lr=0.003)
-    gen = torch.Generator().manual_seed(data_rank)  # one stream of batches per pipeline
-    tokens = torch.randint(0, 256, (64, BATCH, SEQ + 1), generator=gen)
-    ends = []
-    for step in range(STEPS):
-        batch = tokens[step % len(tokens)]
-        if pp_rank == 0:
-            schedule.step(batch[:, :-1])
-        else:
-            schedule.step(target=batch, losses=[])
-        # The two ends' gradients of the tied weight, shard by shard (the same layout on both).
-        dist.all_reduce(tied.grad.to_local(), group=pp_group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0:
-            ends.append(time.perf_counter())
+    # The two ends' gradients of the tied weight, shard by shard (the same layout on both).
+    ends = _steps(stage, part, data_rank, lambda: dist.all_reduce(tied.grad.to_local(),
+                                                                  group=pp_group))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"ends": ends}))
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ volumes are estimates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,18 +104,10 @@ def _activations(
 ) -> tuple[dict[tuple[bool, str], int | None], str]:
     """Activation bytes per (sharded, precision): autocast keeps its casts, FSDP's policy casts
     the parameters instead; and a note when the forward cannot be traced."""
-    task = tasks.build(cfg.task, info)
-    make = getattr(task, "example_input", None)
     try:
-        if make is None:
-            raise ValueError("the task has no example_input(info, batch_size)")
+        low_dtype = torch.float16 if low == "fp16" else torch.bfloat16
         traced: dict[str, int | None] = dict(
-            activation_bytes(
-                model,
-                cfg,
-                lambda n: make(info, n),
-                torch.float16 if low == "fp16" else torch.bfloat16,
-            )
+            activation_bytes(model, cfg, _example(cfg, info), low_dtype)
         )
         note = ""
     except Exception as e:  # noqa: BLE001 - a model the tracer cannot follow: say so, go on
@@ -283,18 +276,23 @@ def _mesh_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
 def _split_activations(facts: plan_facts.ModelFacts, cfg: Config) -> int | None:
     """What one micro-batch's forward keeps for the backward on a rank of a tp group (fp32,
     traced with the model split by its plan), or None where the forward cannot be traced."""
-    info = facts.shapes.info
-    make = getattr(tasks.build(cfg.task, info), "example_input", None)
-    if make is None:
-        return None
     key = "checkpointed" if cfg.model.activation_checkpointing else "full"
     try:
+        example = _example(cfg, facts.shapes.info)
         traced = footprint.traced_activations(
-            facts.model, cfg, lambda n: make(info, n), torch.float32, {"fp32": None}, split=True
+            facts.model, cfg, example, torch.float32, {"fp32": None}, split=True
         )
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow: the state alone
         return None
     return traced["fp32"][key]
+
+
+def _example(cfg: Config, info: dict[str, Any]) -> Callable[[int], Any]:
+    """The task's example input of n samples (what the traces run); a task without one raises."""
+    make = getattr(tasks.build(cfg.task, info), "example_input", None)
+    if make is None:
+        raise ValueError("the task has no example_input(info, batch_size)")
+    return lambda n: make(info, n)
 
 
 def _pipeline_lines(facts: plan_facts.ModelFacts, cfg: Config) -> list[str]:
@@ -320,12 +318,9 @@ def _in_flight_bytes(facts: plan_facts.ModelFacts, cfg: Config, size: int, micro
     most (fp32, traced), or nothing where the forward cannot be traced."""
     pp = cfg.parallel.pp
     held = parallel.stage_blocks(facts.model, pp, pp.size, cfg.model.name, facts.blocks)
-    info = facts.shapes.info
-    make = getattr(tasks.build(cfg.task, info), "example_input", None)
-    if make is None:
-        return ""
     try:
-        sizes = footprint.stage_activations(facts.model, cfg, lambda n: make(info, n), held, size)
+        example = _example(cfg, facts.shapes.info)
+        sizes = footprint.stage_activations(facts.model, cfg, example, held, size)
     except Exception:  # noqa: BLE001 - a model the tracer cannot follow: the count alone
         return ""
     held_at_once = [

@@ -239,11 +239,8 @@ def traced_activations(
     activation checkpointing, and the largest block's own ("block"); one pair of traced
     forwards gives all three. Two forwards (2 and 4 samples) separate what grows with the
     batch from what does not (autocast's copies of the weights); 2, not 1, because BatchNorm
-    refuses one sample. With `split`, what one rank of a tp group saves (`_as_tp_rank`)."""
-    model = copy.deepcopy(meta_model).to(weights)
-    with _as_tp_rank(model, cfg, split), compat.fake_tensor_mode():  # shapes only, no memory
-        blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
-        model.to_empty(device="cpu").train()
+    refuses one sample. With `split`, what one rank of a tp group saves (`_traceable`)."""
+    with _traceable(meta_model, cfg, weights, split) as (model, blocks):
         return _retained(model, blocks, cfg, example, weights, kinds)
 
 
@@ -258,11 +255,8 @@ def stage_activations(
     stage rank, which holds the blocks `stage_blocks[r]` (indices of the model's blocks; the
     first rank the embeddings, the last the head), with activation checkpointing as the config
     says, and under tensor parallelism what one rank of the stage's tp group keeps."""
-    model = copy.deepcopy(meta_model)
     checkpointing = cfg.model.activation_checkpointing
-    with _as_tp_rank(model, cfg, cfg.parallel.tp.size > 1), compat.fake_tensor_mode():
-        blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
-        model.to_empty(device="cpu").train()
+    with _traceable(meta_model, cfg, torch.float32, cfg.parallel.tp.size > 1) as (model, blocks):
         two, four = (_trace_saved(model, blocks, example(n), None) for n in (2, 4))
     sizes = []
     last = len(stage_blocks) - 1
@@ -275,18 +269,24 @@ def stage_activations(
 
 
 @contextlib.contextmanager
-def _as_tp_rank(model: nn.Module, cfg: Config, split: bool) -> Iterator[None]:
-    """With `split`, `model` (on the meta device) split by its tp plan over a pretended mesh of
-    parallel.tp.size ranks, for the while: its forward then saves, as DTensors, what the first
-    rank of a real tp group saves (sequence parallelism's split norms included); each is
+def _traceable(
+    meta_model: nn.Module, cfg: Config, weights: torch.dtype, split: bool
+) -> Iterator[tuple[nn.Module, list[nn.Module]]]:
+    """A copy of `meta_model` in `weights` on fake tensors (shapes and dtypes only, no memory),
+    in training mode, and its blocks. With `split`, split first by its tp plan over a pretended
+    mesh of parallel.tp.size ranks, for the while: its forward then saves, as DTensors, what the
+    first rank of a real tp group saves (sequence parallelism's split norms included); each is
     counted by its local part."""
-    if not split:
-        yield
-        return
-    tp = cfg.parallel.tp
-    with compat.pretended_mesh(tp.size) as mesh:
-        parallelize(model, plan_of(model, tp, cfg.model.name), mesh)
-        yield
+    model = copy.deepcopy(meta_model).to(weights)
+    with contextlib.ExitStack() as stack:
+        if split:
+            tp = cfg.parallel.tp
+            mesh = stack.enter_context(compat.pretended_mesh(tp.size))
+            parallelize(model, plan_of(model, tp, cfg.model.name), mesh)
+        stack.enter_context(compat.fake_tensor_mode())
+        blocks = [b for b in parallel.find_blocks(model, cfg.parallel.fsdp.wrap) if b is not model]
+        model.to_empty(device="cpu").train()
+        yield model, blocks
 
 
 def _retained(
