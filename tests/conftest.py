@@ -383,6 +383,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                              f"CPU minutes in all")
     for seconds, nodeid in spent[:25]:
         terminalreporter.write_line(f"{seconds:7.1f}s cpu  {nodeid}")
+    # Each file's wall time (its tests' setup, call and teardown): what LONGEST_FIRST orders by.
+    by_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown"):
+                path = r.nodeid.split("::", 1)[0]
+                by_file[path] = by_file.get(path, 0.0) + r.duration
+    terminalreporter.section("longest files (wall seconds)")
+    for path, seconds in sorted(by_file.items(), key=lambda item: -item[1])[:40]:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {path}")
 
 
 _CPU_START = pytest.StashKey[float]()

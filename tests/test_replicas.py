@@ -300,11 +300,11 @@ def test_fsdp_groups_heal_a_late_group_shard_by_shard(tmp_path, lighthouse):
     assert groups[1] >= 3 and groups[2] >= 1
     # A plain loop over the logged batches: FSDP's sums over ranks come in another order, and
     # the rounding grows with the steps group 0 trains alone before group 1 starts, which the
-    # machine's load sets (1.6e-4 at most seen on a loaded machine; a wrong shard or a step
-    # taken twice moves weights by 1e-2 or more).
+    # machine's load sets (8.6e-4 at most seen, on a loaded machine; a wrong shard
+    # or a step taken twice moves weights by 1e-2 or more).
     final, replay = final_weights(run_dir), replayed(steps_trained(run_dir), 2048)
     for name, value in replay.items():
-        torch.testing.assert_close(final[name], value, atol=5e-4, rtol=0)
+        torch.testing.assert_close(final[name], value, atol=3e-3, rtol=0)
 
 
 @pytest.mark.slow
