@@ -3,18 +3,23 @@
 #             suite on TEST_WORKERS pytest workers (each file on one; the files of one SLURM
 #             cluster or of the test hosts on one between them), with its 25 slowest tests last.
 # make bench: benchmarks against a plain PyTorch loop (figures, never pass/fail).
+# make chaos: N= random faults (SEED=) injected into real runs, every invariant checked after
+#             each episode (bench/chaos/README.md); EPISODE=K replays one episode of the seed.
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 2
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
+N       ?= 40
+SEED    ?= 0
+EPISODE ?=
 # Three, on two cores: part of the suite waits (on rendezvous, SLURM, timeouts) rather than
 # computes.
 TEST_WORKERS ?= 3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: train test lint bench setup clean
+.PHONY: train test lint bench chaos setup clean
 
 setup: $(STAMP)
 
@@ -42,6 +47,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/run_all.py
+
+chaos: $(STAMP)
+	$(PY) bench/chaos/run.py --faults $(N) --seed $(SEED) $(if $(EPISODE),--episode $(EPISODE))
 
 clean:
 	rm -rf runs .pytest_cache

@@ -311,18 +311,23 @@ SERVICES = {"tests/test_slurm.py": "one-node SLURM", "tests/test_sweep.py": "one
             "tests/test_multinode.py": "test hosts", "tests/test_elastic.py": "test hosts"}
 
 
-# The files that take longest, roughly longest first (a service's files are the longest chains):
-# workers start them first, so that none begins a long file while the others are done. The
-# rest follow in collection order. A stale order costs minutes, never a result.
-LONGEST_FIRST = ("tests/test_multinode.py", "tests/test_elastic.py", "tests/test_slurm.py",
-                 "tests/test_sweep.py", "tests/test_replicas.py", "tests/test_replicas_hosts.py",
-                 "tests/test_integrity.py", "tests/test_export_formats.py",
-                 "tests/test_checkpoint.py", "tests/test_faults.py", "tests/test_tokens.py",
-                 "tests/test_fsdp_scale.py", "tests/test_hf.py", "tests/test_images.py",
-                 "tests/test_eval.py", "tests/test_ema.py", "tests/test_tasks.py",
-                 "tests/test_data.py", "tests/test_objstore.py", "tests/test_verify.py",
-                 "tests/test_convert.py", "tests/test_plan_fit.py", "tests/test_cli.py",
-                 "tests/test_early_stop.py")
+# The files that take longest, roughly longest first (a service's files are the longest chains),
+# from the wall times a run of the suite prints last: workers start them first, so that none
+# begins a long file while the others are done. The rest follow in collection order. A stale
+# order costs minutes, never a result.
+LONGEST_FIRST = ("tests/test_export_quantize.py", "tests/test_multinode.py", "tests/test_elastic.py",
+                 "tests/test_slurm.py", "tests/test_sweep.py", "tests/test_export_formats.py",
+                 "tests/test_pipeline.py", "tests/test_tensor_parallel.py", "tests/test_qat.py",
+                 "tests/test_objstore.py", "tests/test_replicas.py", "tests/test_features.py",
+                 "tests/test_tasks_lm_eval.py", "tests/test_lora.py", "tests/test_chaos.py",
+                 "tests/test_hf.py", "tests/test_eval.py", "tests/test_plan_fit.py",
+                 "tests/test_hf_models.py", "tests/test_ema.py", "tests/test_fsdp_scale.py",
+                 "tests/test_readme_commands.py", "tests/test_fsdp.py", "tests/test_faults.py",
+                 "tests/test_pipeline_models.py", "tests/test_generate.py", "tests/test_trackers.py",
+                 "tests/test_tokens.py", "tests/test_trust_code.py", "tests/test_integrity.py",
+                 "tests/test_quantize.py", "tests/test_tasks.py", "tests/test_checkpoint.py",
+                 "tests/test_replicas_hosts.py", "tests/test_shown_and_shared.py",
+                 "tests/test_images.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,12 +9,14 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import Result, descendants, final_weights, latest, launch, start
+from conftest import Result, child_env, descendants, final_weights, latest, launch, start
 
 FAULTY = "model.name=user_code:faulty_cnn"
 
@@ -251,3 +253,37 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(two_steps, tmpfs) 
     last = again.stderr.strip().splitlines()[-1]
     assert last.startswith("dtrain: ") and "disk" in last and "full" in last, last
     assert latest(again.run_dir) == kept and (kept / "checkpoint.pt").stat().st_size > 0
+
+
+FILLS_UNDER_THE_LOG = """
+import os, sys
+from dtrain.core import logs
+logs.setup_logging(0, False)
+logs.attach_log_files(sys.argv[1] + "/log.txt")  # (empty: its first line needs a new block)
+filler = open(sys.argv[1] + "/filler", "wb")
+try:
+    while True:
+        filler.write(b"0" * 4096); filler.flush()
+except OSError:
+    pass
+for i in range(5):
+    logs.log.info(f"while full {i}")
+os.remove(sys.argv[1] + "/filler")
+logs.log.info("after")
+"""
+
+
+def test_a_disk_that_fills_under_the_log_file_is_one_warning_not_a_traceback_a_line(tmpfs) -> None:
+    # Found by the chaos run (bench/chaos): logging's own handler printed a traceback for every
+    # line a full disk kept out of log.txt.
+    disk = tmpfs("size=64k")
+    proc = subprocess.run([sys.executable, "-c", FILLS_UNDER_THE_LOG, str(disk)], capture_output=True,
+                          text=True, timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-2000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("dtrain: warning")]
+    assert warnings == [f"dtrain: warning: cannot write {disk}/log.txt (No space left on device); "
+                        "the lines it misses are on the console"]
+    assert [line.split(" ", 2)[2] for line in proc.stderr.splitlines() if "dtrain" not in line] == \
+        [*(f"while full {i}" for i in range(5)), "after"]  # the console has every line
+    assert "after" in (disk / "log.txt").read_text()

@@ -40,13 +40,41 @@ def log_fitted(text: str) -> None:
 def attach_log_files(path: str) -> None:
     """Log into the file at `path` (this rank's in the run directory) from now on, the lines
     logged so far first."""
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = RunLogFile(path)
     for early in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         handler.setFormatter(early.formatter)
         early.setTarget(handler)
         early.flush()
         log.removeHandler(early)
     log.addHandler(handler)
+
+
+class RunLogFile(logging.FileHandler):
+    """A rank's log file. A line it cannot write (a full disk, a quota) is one warning on the
+    console, once until it can write again, never logging's traceback per line: the run goes
+    on, and its console still has every line."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, encoding="utf-8")
+        self.failing = False  # since the last line written
+        self._failed = False  # the line being written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed = False
+        super().emit(record)
+        self.failing = self._failed
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self._failed = True
+        if not self.failing:
+            sys.stderr.write(
+                f"dtrain: warning: cannot write {self.baseFilename} ({error.strerror or error}); "
+                "the lines it misses are on the console\n"
+            )
 
 
 class LiveLine(Protocol):
