@@ -319,7 +319,7 @@ LONGEST_FIRST = ("tests/test_export_quantize.py", "tests/test_multinode.py", "te
                  "tests/test_slurm.py", "tests/test_sweep.py", "tests/test_export_formats.py",
                  "tests/test_pipeline.py", "tests/test_tensor_parallel.py", "tests/test_qat.py",
                  "tests/test_objstore.py", "tests/test_replicas.py", "tests/test_features.py",
-                 "tests/test_tasks_lm_eval.py", "tests/test_lora.py", "tests/test_chaos.py",
+                 "tests/test_tasks_lm_eval.py", "tests/test_lora.py",
                  "tests/test_hf.py", "tests/test_eval.py", "tests/test_plan_fit.py",
                  "tests/test_hf_models.py", "tests/test_ema.py", "tests/test_fsdp_scale.py",
                  "tests/test_readme_commands.py", "tests/test_fsdp.py", "tests/test_faults.py",

@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--jobs", default=",".join(JOBS), help="among these")
     parser.add_argument("--kinds", default=",".join(chaos.KINDS), help="among these")
     parser.add_argument("--out", type=Path, help="default: runs/chaos/seed_<SEED>")
+    parser.add_argument("--minutes", type=float, help="start no episode after this long")
     args = parser.parse_args()
     out = args.out or REPO / "runs" / "chaos" / f"seed_{args.seed}"
     shutil.rmtree(out, ignore_errors=True)
@@ -66,8 +67,11 @@ def _chaos(args: argparse.Namespace, out: Path, disk: Path | None, kinds: list[s
         references[name] = checks.final_weights(work / f"reference_{name}" / "run")
         shutil.rmtree(work / f"reference_{name}")
     indices = [args.episode] if args.episode is not None else _episodes(args, kinds, jobs)
-    results = []
+    results, began_all = [], time.monotonic()
     for index in indices:
+        if args.minutes and time.monotonic() - began_all > args.minutes * 60:
+            print(f"chaos: {args.minutes:g} minutes passed; no further episode")
+            break
         job, drawn = schedule(args.seed, index, kinds, jobs, args.per_episode)
         sandbox = work / f"episode_{index:04d}"
         began = time.monotonic()
