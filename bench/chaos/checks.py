@@ -15,11 +15,11 @@ import torch
 from jobs import REPO, STEPS
 
 TRAIN_SIZE = 512
+sys.path.insert(0, str(REPO / "src"))  # (dtrain's loader reads the final checkpoints)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model of the run's newest checkpoint, read by dtrain's own loader (full or sharded)."""
-    sys.path.insert(0, str(REPO / "src"))
     from dtrain.commands.export.checkpoint_model import load_model
 
     saved = sorted((p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()),

@@ -89,7 +89,7 @@ def _drive(attempt: Attempt, run_dir: Path, pending: list[chaos.Fault], faults: 
         time.sleep(POLL_S)
         attempt.note()
         now, logged = time.monotonic(), records_logged(run_dir)
-        if logged != seen[: len(logged)] or len(logged) > len(seen):
+        if _new_since(logged, seen):
             progress_at = now
             for fault in faults:
                 if fault.injected_at and fault.recovered_s is None and \
@@ -100,17 +100,18 @@ def _drive(attempt: Attempt, run_dir: Path, pending: list[chaos.Fault], faults: 
         for fault in faults:
             chaos.follow_up(fault, attempt)
         if kill_in_start is not None and now - attempt.started >= kill_in_start:
-            if not _new_since(logged, outcome_records(faults)):  # still starting or resuming
+            if not _new_since(logged, _latest_records(faults)):  # still starting or resuming
                 attempt.signal_all(signal.SIGKILL)
             kill_in_start = None
         step = logged[-1][0] if logged else 0
         due = _due(pending, faults, attempt, step)
         if due is not None and inject_at is None:
             inject_at = now + due.delay_s
+        where = chaos.phase(run_dir, step) if due is not None else ""
         if due is not None and inject_at is not None and now >= inject_at and \
-                (due.kind != "kill_writer" or chaos.phase(run_dir, step) == "save" or
+                (due.kind != "kill_writer" or where == "save" or
                  step >= due.step + 2 * chaos.SAVE_EVERY):
-            due.phase = chaos.phase(run_dir, step)
+            due.phase = where
             due.after.update(records=logged, launch=outcome.launches, out_at=len(attempt.text()))
             due.injected_at = now
             chaos.inject(due, attempt, run_dir, sandbox / "requests", disk)
@@ -146,7 +147,7 @@ def _back(fault: chaos.Fault, attempt: Attempt, launch: int) -> bool:
     return re.search(r"resumed from |fresh start", since) is not None
 
 
-def outcome_records(faults: list[chaos.Fault]) -> list:
+def _latest_records(faults: list[chaos.Fault]) -> list:
     """The records at the latest injection (what a resume has not yet passed)."""
     injected = [f for f in faults if f.injected_at]
     return max(injected, key=lambda f: f.injected_at).after["records"] if injected else []

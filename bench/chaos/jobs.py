@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -115,7 +114,7 @@ class Attempt:
 
     def signal_all(self, sig: int) -> None:
         for pid in self.alive():
-            _send(pid, sig)
+            send(pid, sig)
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -144,15 +143,12 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def _send(pid: int, sig: int) -> None:
+def send(pid: int, sig: int) -> None:
+    """`sig` to `pid`, which may have ended meanwhile."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def send(pid: int, sig: signal.Signals) -> None:
-    _send(pid, sig)
 
 
 def records_logged(run_dir: Path) -> list[tuple[int, str]]:

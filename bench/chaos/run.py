@@ -31,16 +31,21 @@ DISK_SIZE = "64m"  # an episode's run takes a few MiB; the fault fills the rest
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--faults", type=int, default=40, help="inject at least this many")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the schedule's seed")
     parser.add_argument("--per-episode", type=int, default=3, help="at most this many at once")
     parser.add_argument("--episode", type=int, help="replay this episode of the seed alone")
-    parser.add_argument("--jobs", default=",".join(JOBS), help="among these")
-    parser.add_argument("--kinds", default=",".join(chaos.KINDS), help="among these")
+    parser.add_argument("--jobs", default=",".join(JOBS), help="among these (default: all)")
+    parser.add_argument("--kinds", default=",".join(chaos.KINDS),
+                        help="among these fault kinds (default: all)")
     parser.add_argument("--out", type=Path, help="default: runs/chaos/seed_<SEED>")
     parser.add_argument("--minutes", type=float, help="start no episode after this long")
     args = parser.parse_args()
+    for given, known in ((args.jobs, JOBS), (args.kinds, chaos.KINDS)):
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            parser.error(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     out = args.out or REPO / "runs" / "chaos" / f"seed_{args.seed}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
